@@ -1,0 +1,214 @@
+"""`LossScaleConfig`: the one configuration object of hf_lossscale.
+
+This module imports neither torch nor transformers, so configs can be built, validated and
+serialised anywhere (a launcher, a CLI, a config check in CI).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = ["LossScaleConfig", "MODES", "ENV_PREFIX", "ENV_CONFIG_FILE"]
+
+MODES = ("dynamic", "static", "off")
+FP16_ON_CPU = ("emulate", "native")
+
+#: Per-field environment variables are ``HF_LOSSSCALE_<FIELD NAME IN CAPITALS>``.
+ENV_PREFIX = "HF_LOSSSCALE_"
+#: Environment variable naming a YAML or JSON config file.
+ENV_CONFIG_FILE = "HF_LOSSSCALE_CONFIG"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+@dataclass
+class LossScaleConfig:
+    """Configuration of a [`DynamicLossScaler`].
+
+    Args:
+        mode (`str`, *optional*, defaults to `"dynamic"`):
+            `"dynamic"` (back off on overflow, grow after a clean streak), `"static"` (the scale stays
+            at `init_scale`; non-finite steps are still skipped and counted) or `"off"` (scale 1, no
+            checks, every step applied: FP16 without loss scaling).
+        init_scale (`float`, *optional*, defaults to `2**16`): starting scale.
+        growth_factor (`float`, *optional*, defaults to `2.0`):
+            multiplies the scale after `growth_interval` clean steps in a row. Must be > 1.
+        backoff_factor (`float`, *optional*, defaults to `0.5`):
+            multiplies the scale on overflow (once the hysteresis budget is used up). In (0, 1).
+        growth_interval (`int`, *optional*, defaults to `2000`): clean steps in a row before growth.
+        min_scale (`float`, *optional*, defaults to `1.0`): floor; backoff never goes below it.
+        max_scale (`float`, *optional*, defaults to `2**24`): ceiling; growth never goes above it.
+        hysteresis (`int`, *optional*, defaults to `1`):
+            overflowing steps tolerated before a backoff (1 backs off on every overflow, as torch does).
+        consecutive_hysteresis (`bool`, *optional*, defaults to `False`):
+            refill the hysteresis budget on every clean step (DeepSpeed's option) instead of only when
+            the scale grows (Megatron's rule).
+        max_consecutive_skips (`int` or `None`, *optional*, defaults to `100`):
+            raise `LossScaleCollapseError` after this many skipped steps in a row; `None` disables.
+
+    Example:
+
+    ```python
+    >>> from hf_lossscale import LossScaleConfig
+    >>> config = LossScaleConfig(init_scale=2.0**12, min_scale=16.0, hysteresis=2)
+    >>> LossScaleConfig.from_dict(config.to_dict()) == config
+    True
+    ```
+    """
+
+    mode: str = field(default="dynamic", metadata={"help": f"One of {MODES}."})
+    init_scale: float = field(default=2.0**16, metadata={"help": "Starting loss scale."})
+    growth_factor: float = field(
+        default=2.0, metadata={"help": "Scale multiplier after `growth_interval` clean steps (> 1)."}
+    )
+    backoff_factor: float = field(default=0.5, metadata={"help": "Scale multiplier on overflow, in (0, 1)."})
+    growth_interval: int = field(
+        default=2000, metadata={"help": "Clean steps in a row before the scale grows (>= 1)."}
+    )
+    min_scale: float = field(default=1.0, metadata={"help": "Floor of the scale."})
+    max_scale: float = field(default=2.0**24, metadata={"help": "Ceiling of the scale."})
+    hysteresis: int = field(
+        default=1, metadata={"help": "Overflowing steps tolerated before a backoff (>= 1)."}
+    )
+    consecutive_hysteresis: bool = field(
+        default=False,
+        metadata={"help": "Refill the hysteresis budget on every clean step (DeepSpeed's rule)."},
+    )
+    max_consecutive_skips: int | None = field(
+        default=100,
+        metadata={"help": "Raise LossScaleCollapseError after this many skips in a row (None: never)."},
+    )
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Check every field; raise `ValueError` naming the field, the value and the allowed range."""
+        if not isinstance(self.mode, str) or self.mode not in MODES:
+            raise ValueError(f"LossScaleConfig.mode={self.mode!r} is not one of {MODES}.")
+        for name in ("init_scale", "min_scale", "max_scale"):
+            value = getattr(self, name)
+            if not _is_number(value) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"LossScaleConfig.{name}={value!r} must be a finite number > 0.")
+            setattr(self, name, float(value))
+        gf = self.growth_factor
+        if not _is_number(gf) or not math.isfinite(gf) or gf <= 1:
+            raise ValueError(f"LossScaleConfig.growth_factor={gf!r} must be a finite number > 1.")
+        self.growth_factor = float(gf)
+        bf = self.backoff_factor
+        if not _is_number(bf) or not (0 < bf < 1):
+            raise ValueError(
+                f"LossScaleConfig.backoff_factor={bf!r} must be a number in the open interval (0, 1)."
+            )
+        self.backoff_factor = float(bf)
+        for name in ("growth_interval", "hysteresis"):
+            value = getattr(self, name)
+            if not _is_int(value) or value < 1:
+                raise ValueError(f"LossScaleConfig.{name}={value!r} must be an integer >= 1.")
+        if not isinstance(self.consecutive_hysteresis, bool):
+            raise ValueError(
+                f"LossScaleConfig.consecutive_hysteresis={self.consecutive_hysteresis!r} "
+                "must be True or False."
+            )
+        mcs = self.max_consecutive_skips
+        if mcs is not None and (not _is_int(mcs) or mcs < 1):
+            raise ValueError(
+                f"LossScaleConfig.max_consecutive_skips={mcs!r} must be an integer >= 1, "
+                "or None to disable the collapse check."
+            )
+        if self.min_scale > self.max_scale:
+            raise ValueError(
+                f"LossScaleConfig.min_scale={self.min_scale!r} is above "
+                f"max_scale={self.max_scale!r}; need min_scale <= max_scale."
+            )
+        if not (self.min_scale <= self.init_scale <= self.max_scale):
+            raise ValueError(
+                f"LossScaleConfig.init_scale={self.init_scale!r} is outside "
+                f"[min_scale, max_scale] = [{self.min_scale!r}, {self.max_scale!r}]."
+            )
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        """All fields as plain Python values (JSON- and YAML-safe)."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str = "config") -> LossScaleConfig:
+        """Build a config from a mapping; unknown keys are an error that names them."""
+        if not isinstance(data, dict):
+            raise ValueError(
+                f"{source}: a loss-scale config must be a mapping of field names to values, "
+                f"got {type(data).__name__}."
+            )
+        unknown = sorted(set(data) - set(cls.field_names()))
+        if unknown:
+            raise ValueError(
+                f"{source}: unknown LossScaleConfig field(s) {unknown}; allowed: {list(cls.field_names())}."
+            )
+        try:
+            return cls(**data)
+        except ValueError as err:
+            raise ValueError(f"{source}: {err}") from None
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> LossScaleConfig:
+        """Load a YAML (`.yaml`/`.yml`) or JSON (`.json`) file holding a mapping of fields.
+
+        YAML is read with `yaml.safe_load`. A file may also nest the fields under a top-level
+        `loss_scale:` key, so one file can carry other settings too.
+        """
+        data = read_config_file(path)
+        if isinstance(data, dict) and set(data) == {"loss_scale"}:
+            data = data["loss_scale"]
+        return cls.from_dict(data, source=str(path))
+
+    def to_file(self, path: str | os.PathLike) -> None:
+        """Write the config as JSON or YAML, chosen by the file's suffix."""
+        path = Path(path)
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        else:
+            path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    def replace(self, **changes: Any) -> LossScaleConfig:
+        """A validated copy with some fields changed."""
+        unknown = sorted(set(changes) - set(self.field_names()))
+        if unknown:
+            raise ValueError(f"Unknown LossScaleConfig field(s) {unknown}.")
+        return dataclasses.replace(self, **changes)
+
+
+def read_config_file(path: str | os.PathLike) -> Any:
+    """Parse a YAML or JSON file; errors name the file."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise ValueError(f"Cannot read loss-scale config file {str(path)!r}: {err}") from None
+    try:
+        if path.suffix == ".json":
+            return json.loads(text)
+        import yaml
+
+        return yaml.safe_load(text)
+    except Exception as err:  # yaml.YAMLError / json.JSONDecodeError
+        raise ValueError(f"Cannot parse loss-scale config file {str(path)!r}: {err}") from None

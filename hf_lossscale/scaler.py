@@ -1,0 +1,711 @@
+"""`DynamicLossScaler`: a configurable, device-side drop-in for `torch.amp.GradScaler`.
+
+Imports only torch. The state (scale, growth and hysteresis trackers, step counters) lives in
+0-d tensors on the gradients' device, and `scale()`, `unscale_()` and `update()` never read it
+back to the host. `step()` costs no host synchronisation with optimizers that take
+`grad_scale`/`found_inf` (torch's fused Adam/AdamW/SGD) and one otherwise, as torch's does.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import abc, defaultdict
+from collections.abc import Iterable
+from enum import Enum
+from typing import Any
+
+import torch
+
+from .config import LossScaleConfig
+
+__all__ = ["DynamicLossScaler", "LossScaleCollapseError", "OptState"]
+
+STATE_FORMAT = "hf_lossscale.DynamicLossScaler"
+STATE_FORMAT_VERSION = 1
+# Keys of our state dict beyond the ones torch.amp.GradScaler writes.
+_COUNTER_KEYS = ("_hysteresis_tracker", "total_steps", "skipped_steps", "consecutive_skips")
+_TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
+_MAX_NAMES = 8  # parameter names kept for an overflow report
+
+
+class LossScaleCollapseError(RuntimeError):
+    """Raised after `max_consecutive_skips` skipped steps in a row: the scale cannot recover."""
+
+
+class OptState(Enum):
+    READY = 0
+    UNSCALED = 1
+    STEPPED = 2
+
+
+def _fresh_optimizer_state() -> dict[str, Any]:
+    return {"stage": OptState.READY, "found_inf_per_device": {}}
+
+
+class DynamicLossScaler:
+    """Loss scaler with a floor, a ceiling, hysteresis, static and off modes, and skip counters.
+
+    It keeps `torch.amp.GradScaler`'s methods and call order (`scale`, `unscale_`, `step`,
+    `update`, `state_dict`, ...), so it drops in wherever that one is used: plain training
+    loops, Accelerate's `AcceleratedOptimizer` and `clip_grad_norm_`, and the Trainer's
+    checkpointing.
+
+    Update rule, applied once per `update()` after every optimizer of the iteration stepped:
+
+    - overflow (inf/NaN in the gradients of any optimizer stepped since the last update; that
+      optimizer's step was skipped): growth tracker = 0, hysteresis tracker -= 1 (kept at >= 0),
+      and once it reaches 0 the scale becomes `max(scale * backoff_factor, min_scale)`.
+    - clean step: growth tracker += 1 (with `consecutive_hysteresis` the hysteresis budget
+      refills); when it reaches `growth_interval` the scale becomes
+      `min(scale * growth_factor, max_scale)`, the growth tracker 0 and the budget full.
+
+    Args:
+        config (`LossScaleConfig`, *optional*): the configuration; defaults to `LossScaleConfig()`.
+        device (`str` or `torch.device`, *optional*):
+            where the state lives. `None` takes the device of the first tensor given to `scale()`.
+            A CUDA device on a machine without CUDA is an error.
+        enabled (`bool`, *optional*, defaults to `True`):
+            `False` is the same as `mode="off"` (kept for `GradScaler` compatibility).
+        **overrides: any `LossScaleConfig` field, e.g. `init_scale=2.0**12`.
+
+    Example:
+
+    ```python
+    >>> import torch
+    >>> from hf_lossscale import DynamicLossScaler
+    >>> model = torch.nn.Linear(4, 1)
+    >>> optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> scaler = DynamicLossScaler(init_scale=2.0**10, min_scale=1.0, hysteresis=2)
+    >>> loss = model(torch.randn(8, 4)).pow(2).mean()
+    >>> scaler.scale(loss).backward()
+    >>> scaler.unscale_(optimizer)
+    >>> _ = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    >>> scaler.step(optimizer)
+    >>> scaler.update()
+    >>> scaler.stats()["total_steps"]
+    1
+    ```
+    """
+
+    def __init__(
+        self,
+        config: LossScaleConfig | None = None,
+        *,
+        device: str | torch.device | None = None,
+        enabled: bool = True,
+        **overrides: Any,
+    ) -> None:
+        if config is None:
+            config = LossScaleConfig(**_check_overrides(overrides))
+        elif not isinstance(config, LossScaleConfig):
+            raise TypeError(f"config must be a LossScaleConfig, got {type(config).__name__}.")
+        elif overrides:
+            config = config.replace(**_check_overrides(overrides))
+        if not enabled:
+            config = config.replace(mode="off")
+        self.config = config
+        self._device = _check_device(device) if device is not None else None
+        # Host-side initial state, materialised on the device by `_lazy_init`.
+        self._init_state: dict[str, Any] = self._initial_state()
+        self._scale: torch.Tensor | None = None
+        self._growth_tracker: torch.Tensor | None = None
+        self._hysteresis_tracker: torch.Tensor | None = None
+        self._total_steps: torch.Tensor | None = None
+        self._skipped_steps: torch.Tensor | None = None
+        self._consecutive_skips: torch.Tensor | None = None
+        self._last_skipped: torch.Tensor | None = None
+        self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_fresh_optimizer_state)
+        self._param_names: dict[int, str] = {}
+        # Lazy collapse check: a host copy of `consecutive_skips` taken at each update.
+        self._host_consecutive: torch.Tensor | None = None
+        self._host_copy_event: Any = None
+        self._known_consecutive = 0  # last value read from the host copy
+        #: Names of the parameters whose gradients were non-finite at the last recorded skip.
+        self.overflow_params: list[str] = []
+
+    # ------------------------------------------------------------------ config access
+    @property
+    def mode(self) -> str:
+        return self.config.mode
+
+    def is_enabled(self) -> bool:
+        """`False` in `"off"` mode: then `scale`, `unscale_` are no-ops and `step` just steps."""
+        return self.config.mode != "off"
+
+    def get_growth_factor(self) -> float:
+        return self.config.growth_factor
+
+    def set_growth_factor(self, new_factor: float) -> None:
+        self.config = self.config.replace(growth_factor=new_factor)
+
+    def get_backoff_factor(self) -> float:
+        return self.config.backoff_factor
+
+    def set_backoff_factor(self, new_factor: float) -> None:
+        self.config = self.config.replace(backoff_factor=new_factor)
+
+    def get_growth_interval(self) -> int:
+        return self.config.growth_interval
+
+    def set_growth_interval(self, new_interval: int) -> None:
+        self.config = self.config.replace(growth_interval=new_interval)
+
+    def set_parameter_names(self, named: torch.nn.Module | Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Name parameters (a module or `named_parameters()` pairs) for overflow and error reports."""
+        pairs = named.named_parameters() if isinstance(named, torch.nn.Module) else named
+        for name, param in pairs:
+            self._param_names[id(param)] = name
+
+    # ------------------------------------------------------------------ state
+    def _initial_state(self) -> dict[str, Any]:
+        c = self.config
+        return {
+            "scale": 1.0 if c.mode == "off" else c.init_scale,
+            "_growth_tracker": 0,
+            "_hysteresis_tracker": c.hysteresis,
+            "total_steps": 0,
+            "skipped_steps": 0,
+            "consecutive_skips": 0,
+            "last_step_skipped": False,
+        }
+
+    @property
+    def device(self) -> torch.device | None:
+        return self._scale.device if self._scale is not None else self._device
+
+    def _lazy_init(self, device: torch.device) -> None:
+        s = self._init_state
+        dev = self._device or device
+        self._scale = torch.full((), s["scale"], dtype=torch.float32, device=dev)
+        self._growth_tracker = torch.full((), s["_growth_tracker"], dtype=torch.int32, device=dev)
+        self._hysteresis_tracker = torch.full((), s["_hysteresis_tracker"], dtype=torch.int32, device=dev)
+        self._total_steps = torch.full((), s["total_steps"], dtype=torch.int64, device=dev)
+        self._skipped_steps = torch.full((), s["skipped_steps"], dtype=torch.int64, device=dev)
+        self._consecutive_skips = torch.full((), s["consecutive_skips"], dtype=torch.int64, device=dev)
+        self._last_skipped = torch.full((), s["last_step_skipped"], dtype=torch.bool, device=dev)
+        self._known_consecutive = s["consecutive_skips"]
+
+    def _require_init(self, funcname: str) -> None:
+        if self._scale is None:
+            raise RuntimeError(
+                f"DynamicLossScaler.{funcname}() was called before scale(): call "
+                "scaler.scale(loss).backward() first in each iteration."
+            )
+
+    # ------------------------------------------------------------------ scale
+    def scale(self, outputs: Any) -> Any:
+        """Multiply a tensor, or nested lists/tuples of tensors, by the current scale.
+
+        No host synchronisation. In `"off"` mode the outputs come back unchanged.
+        """
+        first = _first_tensor(outputs)
+        if first is None:
+            raise ValueError("scale() takes a Tensor or an iterable of Tensors.")
+        if self._scale is None:
+            self._lazy_init(first.device)
+        if not self.is_enabled():
+            return outputs
+        per_device: dict[torch.device, torch.Tensor] = {}
+
+        def apply(val: Any) -> Any:
+            if isinstance(val, torch.Tensor):
+                scale = per_device.get(val.device)
+                if scale is None:
+                    scale = self._scale.to(device=val.device, non_blocking=True)
+                    per_device[val.device] = scale
+                return val * scale
+            if isinstance(val, (list, tuple)):
+                return type(val)(apply(v) for v in val)
+            if isinstance(val, abc.Iterable):
+                return map(apply, val)
+            raise ValueError("scale() takes a Tensor or an iterable of Tensors.")
+
+        return apply(outputs)
+
+    # ------------------------------------------------------------------ unscale / check
+    def _grads_by_device_and_dtype(self, optimizer: torch.optim.Optimizer):
+        grouped: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
+            lambda: defaultdict(list)
+        )
+        fp16_params = []
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is None:
+                    continue
+                if param.dtype == torch.float16:
+                    fp16_params.append(self._name_of(param, optimizer))
+                    continue
+                grad = param.grad
+                if grad.is_sparse:
+                    if grad.dtype is torch.float16:
+                        param.grad = grad = grad.coalesce()
+                    grad = grad._values()
+                grouped[grad.device][grad.dtype].append(grad)
+        if fp16_params:
+            shown = ", ".join(fp16_params[:_MAX_NAMES])
+            more = f" (and {len(fp16_params) - _MAX_NAMES} more)" if len(fp16_params) > _MAX_NAMES else ""
+            raise ValueError(
+                f"{len(fp16_params)} trainable parameter(s) are held in float16: {shown}{more}. "
+                "Loss scaling needs FP32 master weights: load the model in float32 (drop "
+                "`torch_dtype=torch.float16` / `dtype=torch.float16` from from_pretrained) and let "
+                "autocast (`fp16=True` / `mixed_precision='fp16'`) run the FP16 compute, or freeze "
+                "those parameters."
+            )
+        return grouped
+
+    def _unscale_grads_(
+        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor
+    ) -> dict[torch.device, torch.Tensor]:
+        """Unscale in place and fill one found-inf flag per device (no host sync)."""
+        found: dict[torch.device, torch.Tensor] = {}
+        inv: dict[torch.device, torch.Tensor] = {}
+        with torch.no_grad():
+            for device, per_dtype in self._grads_by_device_and_dtype(optimizer).items():
+                if device not in found:
+                    found[device] = torch.zeros((), dtype=torch.float32, device=device)
+                    inv[device] = inv_scale.to(device, non_blocking=True)
+                for grads in per_dtype.values():
+                    torch._amp_foreach_non_finite_check_and_unscale_(grads, found[device], inv[device])
+        if not found:  # no gradients at all: record a clean check on the scale's device
+            found[self._scale.device] = torch.zeros((), dtype=torch.float32, device=self._scale.device)
+        if self._known_consecutive > 0:
+            # We are in a run of skipped steps: name the culprits while the gradients exist.
+            self._record_overflow_params(optimizer)
+        return found
+
+    def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the optimizer's gradients by the scale, in place, and check them for inf/NaN.
+
+        Optional: call it before clipping or inspecting gradients; `step()` calls it otherwise.
+        No host synchronisation. Calling it twice for one optimizer before `update()` is an error.
+        """
+        if not self.is_enabled():
+            return
+        self._require_init("unscale_")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.UNSCALED:
+            raise RuntimeError(
+                "unscale_() has already been called on this optimizer since the last update()."
+            )
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("unscale_() is being called after step().")
+        inv_scale = self._scale.double().reciprocal().float()
+        state["found_inf_per_device"] = self._unscale_grads_(optimizer, inv_scale)
+        state["stage"] = OptState.UNSCALED
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+        """Check for inf/NaN without unscaling (fused optimizers unscale inside their kernel)."""
+        self._require_init("step")
+        one = torch.ones((), dtype=torch.float32, device=self._scale.device)
+        found = self._unscale_grads_(optimizer, one)
+        self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
+        return found
+
+    def _found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
+        flags = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
+        return sum(f.to(self._scale.device, non_blocking=True) for f in flags)
+
+    # ------------------------------------------------------------------ step
+    def step(self, optimizer: torch.optim.Optimizer, *args: Any, **kwargs: Any) -> Any:
+        """Unscale (unless `unscale_` was called) and step the optimizer unless its gradients hold inf/NaN.
+
+        With an optimizer that accepts `grad_scale`/`found_inf` (torch's fused Adam, AdamW, SGD) the
+        decision happens inside the kernel and this costs no host synchronisation. Otherwise it
+        reads the found-inf flag once (one synchronisation, as `torch.amp.GradScaler` does).
+        Returns what `optimizer.step()` returns (`None` when skipped).
+        """
+        if not self.is_enabled():
+            return optimizer.step(*args, **kwargs)
+        if "closure" in kwargs:
+            raise RuntimeError("Closure use is not supported when loss scaling is enabled.")
+        self._require_init("step")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("step() has already been called since the last update().")
+
+        if getattr(optimizer, "_step_supports_amp_scaling", False):
+            if state["stage"] is OptState.READY:
+                self._check_inf_per_device(optimizer)
+                grad_scale = self._scale * getattr(optimizer, "grad_scale", 1)
+            else:  # already unscaled: the kernel must not divide again
+                grad_scale = getattr(optimizer, "grad_scale", None)
+            optimizer.grad_scale = grad_scale
+            optimizer.found_inf = self._found_inf(optimizer)
+            try:
+                retval = optimizer.step(*args, **kwargs)
+            finally:
+                del optimizer.grad_scale
+                del optimizer.found_inf
+            state["stage"] = OptState.STEPPED
+            return retval
+
+        if state["stage"] is OptState.READY:
+            self.unscale_(optimizer)
+        retval = None
+        if not self._found_inf(optimizer).item():  # the one host sync of the non-fused path
+            retval = optimizer.step(*args, **kwargs)
+        elif self._known_consecutive == 0:
+            # First skip of a run: the flag was read anyway, name the culprits now.
+            self._record_overflow_params(optimizer)
+        state["stage"] = OptState.STEPPED
+        return retval
+
+    # ------------------------------------------------------------------ update
+    def update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        """Apply the update rule once for this iteration (no host synchronisation).
+
+        Call it after `step()` for every optimizer of the iteration. `new_scale` sets the scale by
+        hand instead (counters are not touched).
+
+        Raises:
+            LossScaleCollapseError: after `max_consecutive_skips` skipped steps in a row. On the CPU
+                it fires at the update that reaches the limit; on CUDA it reads a non-blocking copy
+                of the counter, so it fires at that update or up to one update later.
+        """
+        if self._scale is None:
+            if not self.is_enabled():
+                return
+            self._require_init("update")
+        if new_scale is not None:
+            self._set_scale(new_scale)
+            self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
+            return
+        if not self.is_enabled():
+            self._total_steps += 1
+            return
+        flags = [
+            f.to(self._scale.device, non_blocking=True)
+            for state in self._per_optimizer_states.values()
+            for f in state["found_inf_per_device"].values()
+        ]
+        if not flags:
+            raise RuntimeError(
+                "update() found no inf checks since the last update(): call step(optimizer) for "
+                "each optimizer of the iteration before update()."
+            )
+        found = torch.stack(flags).amax() > 0 if len(flags) > 1 else flags[0] > 0
+        self._apply_rule(found)
+        self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
+        self._poll_consecutive_skips()
+
+    def _apply_rule(self, found: torch.Tensor) -> None:
+        """The update rule on device tensors; `found` is a 0-d bool tensor."""
+        c = self.config
+        found_i = found.to(torch.int64)
+        self._total_steps += 1
+        self._skipped_steps += found_i
+        self._consecutive_skips.mul_(found_i).add_(found_i)
+        self._last_skipped.copy_(found)
+        if c.mode != "dynamic":
+            return
+        scale, growth, hyst = self._scale, self._growth_tracker, self._hysteresis_tracker
+        growth_after = torch.where(found, 0, growth + 1)
+        grow = growth_after >= c.growth_interval
+        hyst_after_overflow = (hyst - 1).clamp_(min=0)
+        back_off = found & (hyst_after_overflow == 0)
+        # Compute in float64 and round once, as torch's _amp_update_scale_ kernels do.
+        grown = (scale.double() * c.growth_factor).clamp_(max=c.max_scale).float()
+        backed = (scale.double() * c.backoff_factor).clamp_(min=c.min_scale).float()
+        scale.copy_(torch.where(back_off, backed, torch.where(grow, grown, scale)))
+        growth.copy_(torch.where(grow, 0, growth_after))
+        refill = grow | (~found) if c.consecutive_hysteresis else grow
+        hyst.copy_(torch.where(found, hyst_after_overflow, torch.where(refill, c.hysteresis, hyst)))
+
+    def _set_scale(self, new_scale: float | torch.Tensor) -> None:
+        if isinstance(new_scale, torch.Tensor):
+            if new_scale.numel() != 1 or new_scale.requires_grad:
+                raise ValueError("new_scale must be a float or a 1-element tensor without grad.")
+            self._scale.copy_(new_scale.reshape(()))
+        else:
+            self._scale.fill_(float(new_scale))
+
+    def _poll_consecutive_skips(self) -> None:
+        """Read the consecutive-skip counter without a host sync; raise on collapse."""
+        if self._consecutive_skips.device.type == "cpu":
+            # CPU tensors are host memory: tolist() reads them without a dispatch-level sync.
+            self._known_consecutive = self._consecutive_skips.tolist()
+        else:
+            if self._host_copy_event is not None and self._host_copy_event.query():
+                self._known_consecutive = self._host_consecutive.tolist()
+                self._host_copy_event = None
+            if self._host_copy_event is None:
+                if self._host_consecutive is None:
+                    self._host_consecutive = torch.zeros((), dtype=torch.int64).pin_memory()
+                self._host_consecutive.copy_(self._consecutive_skips, non_blocking=True)
+                self._host_copy_event = torch.Event(self._consecutive_skips.device.type)
+                self._host_copy_event.record()
+        limit = self.config.max_consecutive_skips
+        if limit is not None and self._known_consecutive >= limit:
+            self._raise_collapse()
+
+    def _raise_collapse(self) -> None:
+        names = ", ".join(self.overflow_params) if self.overflow_params else "not recorded"
+        raise LossScaleCollapseError(
+            f"Loss scale collapsed: {self._known_consecutive} optimizer steps in a row were skipped "
+            f"for non-finite gradients (limit max_consecutive_skips={self.config.max_consecutive_skips}). "
+            f"Scale now {self._scale.item():g}, floor min_scale={self.config.min_scale:g}, "
+            f"mode={self.config.mode!r}. Parameters with non-finite gradients: {names}. "
+            "The loss or activations are probably non-finite already in FP32 (check the data, the "
+            "learning rate, or an FP16 overflow in the forward pass), or the scale is pinned too high "
+            "(static mode / min_scale)."
+        )
+
+    def _name_of(self, param: torch.Tensor, optimizer: torch.optim.Optimizer) -> str:
+        name = self._param_names.get(id(param))
+        if name is not None:
+            return name
+        for g, group in enumerate(optimizer.param_groups):
+            for i, p in enumerate(group["params"]):
+                if p is param:
+                    return f"param_groups[{g}].params[{i}] (shape {tuple(p.shape)})"
+        return f"<parameter shape {tuple(param.shape)}>"
+
+    def _record_overflow_params(self, optimizer: torch.optim.Optimizer) -> None:
+        """Name the parameters whose gradients are non-finite (one host sync; skipped steps only)."""
+        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if not params:
+            return
+        with torch.no_grad():
+            bad = torch.stack([~torch.isfinite(p.grad).all() for p in params]).tolist()
+        names = [self._name_of(p, optimizer) for p, b in zip(params, bad) if b]
+        if names:
+            self.overflow_params = names[:_MAX_NAMES]
+
+    # ------------------------------------------------------------------ reading state
+    def _get_scale_async(self) -> torch.Tensor | None:
+        return self._scale
+
+    def get_scale(self) -> float:
+        """The current scale as a Python float (1.0 in `"off"` mode). Synchronises with the device."""
+        if not self.is_enabled():
+            return 1.0
+        return self._init_state["scale"] if self._scale is None else self._scale.item()
+
+    def _get_growth_tracker(self) -> int:
+        return (
+            self._init_state["_growth_tracker"]
+            if self._growth_tracker is None
+            else self._growth_tracker.item()
+        )
+
+    @property
+    def step_skipped_tensor(self) -> torch.Tensor | None:
+        """A 0-d bool tensor on the device: was the last iteration's step skipped? No sync."""
+        return self._last_skipped
+
+    @property
+    def last_step_skipped(self) -> bool:
+        """Whether the last iteration's step was skipped. Synchronises with the device."""
+        if self._last_skipped is None:
+            return bool(self._init_state["last_step_skipped"])
+        return bool(self._last_skipped.item())
+
+    def _host_values(self) -> dict[str, Any]:
+        """All state as Python values, in one device-to-host transfer."""
+        if self._scale is None:
+            return dict(self._init_state)
+        packed = torch.stack(
+            [
+                self._scale.double(),
+                self._growth_tracker.double(),
+                self._hysteresis_tracker.double(),
+                self._total_steps.double(),
+                self._skipped_steps.double(),
+                self._consecutive_skips.double(),
+                self._last_skipped.double(),
+            ]
+        ).tolist()
+        return {
+            "scale": packed[0],
+            "_growth_tracker": int(packed[1]),
+            "_hysteresis_tracker": int(packed[2]),
+            "total_steps": int(packed[3]),
+            "skipped_steps": int(packed[4]),
+            "consecutive_skips": int(packed[5]),
+            "last_step_skipped": bool(packed[6]),
+        }
+
+    def stats(self) -> dict[str, Any]:
+        """Scale and counters as Python numbers. Synchronises with the device: call at log steps."""
+        v = self._host_values()
+        return {
+            "loss_scale": v["scale"] if self.is_enabled() else 1.0,
+            "total_steps": v["total_steps"],
+            "skipped_steps": v["skipped_steps"],
+            "consecutive_skips": v["consecutive_skips"],
+            "growth_tracker": v["_growth_tracker"],
+            "hysteresis_tracker": v["_hysteresis_tracker"],
+            "last_step_skipped": v["last_step_skipped"],
+        }
+
+    # ------------------------------------------------------------------ checkpointing
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to continue the exact trajectory, as plain Python values.
+
+        A superset of `torch.amp.GradScaler.state_dict()` (so torch's scaler can load it too), with
+        the hysteresis tracker, the counters and the config. Loads with `torch.load(...,
+        weights_only=True)` and moves between devices. Synchronises with the device.
+        """
+        v = self._host_values()
+        return {
+            "scale": float(v["scale"]),
+            "growth_factor": self.config.growth_factor,
+            "backoff_factor": self.config.backoff_factor,
+            "growth_interval": self.config.growth_interval,
+            "_growth_tracker": v["_growth_tracker"],
+            "_hysteresis_tracker": v["_hysteresis_tracker"],
+            "total_steps": v["total_steps"],
+            "skipped_steps": v["skipped_steps"],
+            "consecutive_skips": v["consecutive_skips"],
+            "last_step_skipped": v["last_step_skipped"],
+            "config": self.config.to_dict(),
+            "format": STATE_FORMAT,
+            "format_version": STATE_FORMAT_VERSION,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a state written by `state_dict()` or by `torch.amp.GradScaler.state_dict()`.
+
+        The current config stays in force; fields where the checkpoint's config differs are named in
+        a warning, and a restored scale outside `[min_scale, max_scale]` is clamped with a warning.
+        A malformed state raises `ValueError` naming the missing or wrong keys.
+        """
+        state = _validate_state_dict(state_dict)
+        saved_config = state.pop("config", None)
+        if saved_config is not None:
+            differing = sorted(k for k, v in saved_config.items() if getattr(self.config, k, v) != v)
+            if differing:
+                warnings.warn(
+                    "Loaded loss-scaler state was written with a different config; the current one "
+                    f"applies. Differing fields: {differing} (checkpoint: "
+                    f"{ {k: saved_config[k] for k in differing} }).",
+                    stacklevel=2,
+                )
+        else:
+            for key in ("growth_factor", "backoff_factor", "growth_interval"):
+                if key in state_dict and state_dict[key] != getattr(self.config, key):
+                    warnings.warn(
+                        f"GradScaler state has {key}={state_dict[key]!r}; the current config's "
+                        f"{key}={getattr(self.config, key)!r} applies.",
+                        stacklevel=2,
+                    )
+        c = self.config
+        if c.mode == "off":
+            state["scale"] = 1.0
+        elif c.mode == "static":
+            if state["scale"] != c.init_scale:
+                warnings.warn(
+                    f"Static mode keeps scale={c.init_scale:g}; the checkpoint's scale "
+                    f"{state['scale']:g} is not used.",
+                    stacklevel=2,
+                )
+            state["scale"] = c.init_scale
+        elif not (c.min_scale <= state["scale"] <= c.max_scale):
+            clamped = min(max(state["scale"], c.min_scale), c.max_scale)
+            warnings.warn(
+                f"Restored scale {state['scale']:g} is outside [min_scale, max_scale] = "
+                f"[{c.min_scale:g}, {c.max_scale:g}]; using {clamped:g}.",
+                stacklevel=2,
+            )
+            state["scale"] = clamped
+        if state["_hysteresis_tracker"] is None or state["_hysteresis_tracker"] > c.hysteresis:
+            state["_hysteresis_tracker"] = c.hysteresis
+        self._init_state = state
+        if self._scale is not None:
+            self._lazy_init(self._scale.device)
+        self._known_consecutive = state["consecutive_skips"]
+        self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
+
+    def __repr__(self) -> str:
+        return f"DynamicLossScaler({self.config!r}, device={self.device})"
+
+
+def _check_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
+    unknown = sorted(set(overrides) - set(LossScaleConfig.field_names()))
+    if unknown:
+        raise TypeError(
+            f"DynamicLossScaler got unknown keyword(s) {unknown}; "
+            f"config fields are {list(LossScaleConfig.field_names())}."
+        )
+    return overrides
+
+
+def _check_device(device: str | torch.device) -> torch.device:
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"DynamicLossScaler(device={str(device)!r}) but CUDA is not available on this machine; "
+            "pass device='cpu' or device=None (the device of the loss)."
+        )
+    return device
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value
+    if isinstance(value, (list, tuple)):
+        for v in value:
+            t = _first_tensor(v)
+            if t is not None:
+                return t
+    return None
+
+
+def _validate_state_dict(state_dict: Any) -> dict[str, Any]:
+    """Check a scaler state dict (ours or torch's) and return the normalised state."""
+    if not isinstance(state_dict, dict):
+        raise ValueError(f"Loss-scaler state must be a dict, got {type(state_dict).__name__}.")
+    if not state_dict:
+        raise ValueError(
+            "Loss-scaler state dict is empty (a disabled torch GradScaler writes one). To start a "
+            "fresh scaler on purpose, do not load it."
+        )
+    ours = state_dict.get("format") == STATE_FORMAT
+    required = (
+        (*_TORCH_KEYS, *_COUNTER_KEYS, "last_step_skipped", "config")
+        if ours
+        else ("scale", "_growth_tracker")
+    )
+    missing = [k for k in required if k not in state_dict]
+    if missing:
+        kind = "hf_lossscale" if ours else "torch.amp.GradScaler"
+        raise ValueError(
+            f"Malformed {kind} scaler state: missing key(s) {missing}; has {sorted(state_dict)}."
+        )
+    wrong = []
+    scale = state_dict["scale"]
+    if isinstance(scale, torch.Tensor) and scale.numel() == 1:
+        scale = scale.item()
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not (0 < scale < float("inf")):
+        wrong.append(f"scale={scale!r} (need a finite number > 0)")
+    ints = ("_growth_tracker", *_COUNTER_KEYS) if ours else ("_growth_tracker",)
+    values = {}
+    for key in ints:
+        v = state_dict[key]
+        if isinstance(v, torch.Tensor) and v.numel() == 1:
+            v = v.item()
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            wrong.append(f"{key}={v!r} (need an integer >= 0)")
+        values[key] = v
+    if ours and not isinstance(state_dict["last_step_skipped"], bool):
+        wrong.append(f"last_step_skipped={state_dict['last_step_skipped']!r} (need a bool)")
+    config = None
+    if ours:
+        try:
+            config = LossScaleConfig.from_dict(state_dict["config"], source="scaler state 'config'").to_dict()
+        except ValueError as err:
+            wrong.append(str(err))
+    if wrong:
+        raise ValueError("Malformed loss-scaler state: " + "; ".join(wrong) + ".")
+    out = {
+        "scale": float(scale),
+        "_growth_tracker": values["_growth_tracker"],
+        "_hysteresis_tracker": values.get("_hysteresis_tracker"),  # None: a full budget
+        "total_steps": values.get("total_steps", 0),
+        "skipped_steps": values.get("skipped_steps", 0),
+        "consecutive_skips": values.get("consecutive_skips", 0),
+        "last_step_skipped": bool(state_dict.get("last_step_skipped", False)),
+    }
+    if config is not None:
+        out["config"] = config
+    return out

@@ -1,0 +1,52 @@
+"""A pure-Python model of the update rule, written from the spec, used as the test oracle."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hf_lossscale import LossScaleConfig
+
+
+@dataclass
+class ReferenceScaler:
+    config: LossScaleConfig
+    scale: float = 0.0
+    growth_tracker: int = 0
+    hysteresis_tracker: int = 0
+    total_steps: int = 0
+    skipped_steps: int = 0
+    consecutive_skips: int = 0
+
+    def __post_init__(self) -> None:
+        self.scale = 1.0 if self.config.mode == "off" else self.config.init_scale
+        self.hysteresis_tracker = self.config.hysteresis
+
+    def update(self, overflow: bool) -> None:
+        c = self.config
+        self.total_steps += 1
+        if c.mode == "off":
+            return
+        self.skipped_steps += overflow
+        self.consecutive_skips = self.consecutive_skips + 1 if overflow else 0
+        if c.mode == "static":
+            return
+        if overflow:
+            self.growth_tracker = 0
+            # The spec says "-= 1"; we keep the tracker at >= 0, which backs off at the same steps.
+            self.hysteresis_tracker = max(self.hysteresis_tracker - 1, 0)
+            if self.hysteresis_tracker <= 0:
+                self.scale = max(_f32(self.scale * c.backoff_factor), c.min_scale)
+        else:
+            self.growth_tracker += 1
+            if c.consecutive_hysteresis:
+                self.hysteresis_tracker = c.hysteresis
+            if self.growth_tracker == c.growth_interval:
+                self.scale = min(_f32(self.scale * c.growth_factor), c.max_scale)
+                self.growth_tracker = 0
+                self.hysteresis_tracker = c.hysteresis
+
+
+def _f32(x: float) -> float:
+    import struct
+
+    return struct.unpack("f", struct.pack("f", x))[0]

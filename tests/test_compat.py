@@ -1,0 +1,46 @@
+"""Guard: fails loudly when accelerate / transformers change under the integration."""
+
+import importlib
+import inspect
+from importlib.metadata import version
+
+import pytest
+
+from hf_lossscale._compat import INTERNALS, TESTED_VERSIONS, major_minor
+
+
+@pytest.mark.parametrize("package", sorted(TESTED_VERSIONS))
+def test_installed_versions_are_the_tested_ones(package):
+    installed = major_minor(version(package))
+    assert installed == TESTED_VERSIONS[package], (
+        f"{package} {version(package)} is installed but hf_lossscale is tested against "
+        f"{TESTED_VERSIONS[package]}.x: re-run the integration tests, check the internals in "
+        "hf_lossscale/_compat.py, then update TESTED_VERSIONS."
+    )
+
+
+@pytest.mark.parametrize(("module", "path"), INTERNALS)
+def test_internals_exist(module, path):
+    obj = importlib.import_module(module)
+    for part in path.split("."):
+        assert hasattr(obj, part), f"{module}.{path} is gone: the integration relies on it"
+        obj = getattr(obj, part)
+
+
+def test_accelerated_optimizer_step_protocol():
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    src = inspect.getsource(AcceleratedOptimizer)
+    # How Accelerate drives a scaler and decides "skipped": we replace that decision.
+    for needle in (
+        "self.scaler.step(self.optimizer, closure)",
+        "self.scaler.update()",
+        "_accelerate_step_called",
+    ):
+        assert needle in src, f"AcceleratedOptimizer no longer contains {needle!r}"
+
+
+def test_trainer_scaler_file_name():
+    from transformers.trainer import SCALER_NAME
+
+    assert SCALER_NAME == "scaler.pt"

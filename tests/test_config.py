@@ -1,0 +1,127 @@
+import json
+import math
+
+import pytest
+
+from hf_lossscale import LossScaleConfig
+
+BAD_FIELDS = [
+    ("mode", "dynamc"),
+    ("mode", 3),
+    ("init_scale", 0.0),
+    ("init_scale", -1.0),
+    ("init_scale", math.inf),
+    ("init_scale", math.nan),
+    ("init_scale", "big"),
+    ("min_scale", 0.0),
+    ("max_scale", math.inf),
+    ("growth_factor", 1.0),
+    ("growth_factor", 0.5),
+    ("growth_factor", math.inf),
+    ("backoff_factor", 0.0),
+    ("backoff_factor", 1.0),
+    ("backoff_factor", 1.5),
+    ("growth_interval", 0),
+    ("growth_interval", 2.5),
+    ("growth_interval", True),
+    ("hysteresis", 0),
+    ("hysteresis", "2"),
+    ("consecutive_hysteresis", "yes"),
+    ("max_consecutive_skips", 0),
+    ("max_consecutive_skips", 1.5),
+]
+
+
+@pytest.mark.parametrize(("name", "value"), BAD_FIELDS)
+def test_each_bad_field_is_named(name, value):
+    with pytest.raises(ValueError) as err:
+        LossScaleConfig(**{name: value})
+    assert f"LossScaleConfig.{name}=" in str(err.value)
+    assert repr(value) in str(err.value)
+
+
+def test_min_above_max_and_init_outside_range():
+    with pytest.raises(ValueError, match="min_scale=.*above max_scale"):
+        LossScaleConfig(min_scale=8.0, max_scale=4.0, init_scale=4.0)
+    with pytest.raises(ValueError, match=r"init_scale=2\.0 is outside \[min_scale, max_scale\]"):
+        LossScaleConfig(init_scale=2.0, min_scale=4.0)
+    with pytest.raises(ValueError, match="init_scale=.*outside"):
+        LossScaleConfig(init_scale=2.0**30)
+
+
+def test_defaults_match_the_spec():
+    c = LossScaleConfig()
+    assert (c.mode, c.init_scale, c.growth_factor, c.backoff_factor, c.growth_interval) == (
+        "dynamic",
+        65536.0,
+        2.0,
+        0.5,
+        2000,
+    )
+    assert (c.min_scale, c.max_scale, c.hysteresis, c.consecutive_hysteresis, c.max_consecutive_skips) == (
+        1.0,
+        2.0**24,
+        1,
+        False,
+        100,
+    )
+    assert LossScaleConfig(max_consecutive_skips=None).max_consecutive_skips is None
+
+
+def test_dict_round_trip_and_unknown_keys():
+    c = LossScaleConfig(mode="static", init_scale=512, hysteresis=3, max_consecutive_skips=None)
+    assert LossScaleConfig.from_dict(c.to_dict()) == c
+    assert json.loads(json.dumps(c.to_dict())) == c.to_dict()
+    with pytest.raises(ValueError, match=r"unknown LossScaleConfig field\(s\) \['init_scal', 'zzz'\]"):
+        LossScaleConfig.from_dict({"init_scal": 2.0, "zzz": 1})
+    with pytest.raises(ValueError, match="must be a mapping"):
+        LossScaleConfig.from_dict([1, 2])
+
+
+@pytest.mark.parametrize("suffix", [".yaml", ".yml", ".json"])
+def test_file_round_trip(tmp_path, suffix):
+    c = LossScaleConfig(init_scale=1024.0, min_scale=2.0, consecutive_hysteresis=True)
+    path = tmp_path / f"ls{suffix}"
+    c.to_file(path)
+    assert LossScaleConfig.from_file(path) == c
+
+
+def test_file_errors_name_the_file(tmp_path):
+    nested = tmp_path / "nested.yaml"
+    nested.write_text("loss_scale:\n  init_scale: 256.0\n")
+    assert LossScaleConfig.from_file(nested).init_scale == 256.0
+    bad_value = tmp_path / "bad.yaml"
+    bad_value.write_text("growth_factor: 0.5\n")
+    with pytest.raises(ValueError, match=r"bad\.yaml: LossScaleConfig\.growth_factor=0\.5"):
+        LossScaleConfig.from_file(bad_value)
+    not_mapping = tmp_path / "list.yaml"
+    not_mapping.write_text("- 1\n- 2\n")
+    with pytest.raises(ValueError, match=r"list\.yaml: a loss-scale config must be a mapping"):
+        LossScaleConfig.from_file(not_mapping)
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    with pytest.raises(ValueError, match=r"Cannot parse loss-scale config file .*broken\.json"):
+        LossScaleConfig.from_file(broken)
+    with pytest.raises(ValueError, match=r"Cannot read loss-scale config file .*missing\.yaml"):
+        LossScaleConfig.from_file(tmp_path / "missing.yaml")
+    unsafe = tmp_path / "unsafe.yaml"
+    unsafe.write_text("!!python/object/apply:os.system ['true']\n")
+    with pytest.raises(ValueError, match="Cannot parse"):
+        LossScaleConfig.from_file(unsafe)
+
+
+def test_config_module_is_torch_free():
+    import subprocess
+    import sys
+
+    import hf_lossscale.config as config_module
+
+    # hf_lossscale/__init__ imports the scaler (torch); load config.py on its own.
+    code = (
+        "import importlib.util, sys\n"
+        f"spec = importlib.util.spec_from_file_location('cfg', {config_module.__file__!r})\n"
+        "m = importlib.util.module_from_spec(spec); sys.modules['cfg'] = m; spec.loader.exec_module(m)\n"
+        "m.LossScaleConfig(); print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
