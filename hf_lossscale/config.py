@@ -212,3 +212,107 @@ def read_config_file(path: str | os.PathLike) -> Any:
         return yaml.safe_load(text)
     except Exception as err:  # yaml.YAMLError / json.JSONDecodeError
         raise ValueError(f"Cannot parse loss-scale config file {str(path)!r}: {err}") from None
+
+
+# ---------------------------------------------------------------------- layered resolution
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+_NONE = {"none", "null", ""}
+
+
+def _parse_env_value(name: str, var: str, raw: str) -> Any:
+    """Parse one per-field environment variable by the field's declared type."""
+    kind = {f.name: str(f.type) for f in dataclasses.fields(LossScaleConfig)}[name]
+    text = raw.strip()
+    try:
+        if kind == "bool":
+            if text.lower() in _TRUE:
+                return True
+            if text.lower() in _FALSE:
+                return False
+            raise ValueError
+        if "None" in kind and text.lower() in _NONE:
+            return None
+        if kind.startswith("int"):
+            value = float(text)
+            if not value.is_integer():
+                raise ValueError
+            return int(value)
+        if kind == "float":
+            return float(text)
+        return text
+    except ValueError:
+        expected = {"bool": "true/false", "float": "a number"}.get(
+            kind, "an integer" if "int" in kind else kind
+        )
+        if "None" in kind:
+            expected += " or none"
+        raise ValueError(f"Environment variable {var}={raw!r}: expected {expected}.") from None
+
+
+def config_from_env(environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """The fields set by `HF_LOSSSCALE_CONFIG` (a file) and `HF_LOSSSCALE_<FIELD>` variables.
+
+    Per-field variables win over the file. Unknown `HF_LOSSSCALE_*` names are an error.
+    """
+    return {k: v for k, (v, _) in _env_layers(environ).items()}
+
+
+def _env_layers(environ: dict[str, str] | None) -> dict[str, tuple[Any, str]]:
+    """Field -> (value, where it was set), for the file and per-field environment layers."""
+    environ = os.environ if environ is None else environ
+    fields = LossScaleConfig.field_names()
+    values: dict[str, tuple[Any, str]] = {}
+    if environ.get(ENV_CONFIG_FILE):
+        path = environ[ENV_CONFIG_FILE]
+        data = read_config_file(path)
+        if isinstance(data, dict) and set(data) == {"loss_scale"}:
+            data = data["loss_scale"]
+        source = f"{ENV_CONFIG_FILE}={path}"
+        LossScaleConfig.from_dict(data, source=source)  # validates; errors name the keys
+        values.update({k: (v, source) for k, v in data.items()})
+    for var, raw in environ.items():
+        if not var.startswith(ENV_PREFIX) or var == ENV_CONFIG_FILE:
+            continue
+        name = var[len(ENV_PREFIX) :].lower()
+        if name not in fields:
+            allowed = [ENV_CONFIG_FILE] + [ENV_PREFIX + f.upper() for f in fields]
+            raise ValueError(f"Unknown environment variable {var}; hf_lossscale reads {allowed}.")
+        values[name] = (_parse_env_value(name, var, raw), f"environment variable {var}")
+    return values
+
+
+def resolve_config(
+    config: LossScaleConfig | None = None,
+    overrides: dict[str, Any] | None = None,
+    environ: dict[str, str] | None = None,
+    *,
+    override_source: str = "argument",
+) -> LossScaleConfig:
+    """Build the effective config. Precedence, highest first:
+
+    1. `config`, an explicit `LossScaleConfig` in code (used as is);
+    2. `overrides`, fields the user set as arguments (e.g. the Trainer's `loss_scale_*`);
+    3. per-field environment variables `HF_LOSSSCALE_<FIELD>`;
+    4. the file named by `HF_LOSSSCALE_CONFIG`;
+    5. the defaults.
+
+    A bad value raises `ValueError` naming the field and where it was set.
+    """
+    if config is not None:
+        if not isinstance(config, LossScaleConfig):
+            raise TypeError(f"config must be a LossScaleConfig, got {type(config).__name__}.")
+        return config
+    layers = _env_layers(environ)
+    for name, value in (overrides or {}).items():
+        if value is not None:
+            layers[name] = (value, f"{override_source} {name}")
+    try:
+        return LossScaleConfig(**{k: v for k, (v, _) in layers.items()})
+    except ValueError as err:
+        text = str(err)
+        for name, (_, source) in layers.items():
+            if text.startswith(f"LossScaleConfig.{name}=") or f" {name}=" in text:
+                text += f" (set by {source})"
+                break
+        raise ValueError(text) from None

@@ -1,0 +1,227 @@
+"""Everything that touches Accelerate: `install_loss_scaler` puts a `DynamicLossScaler` in charge.
+
+Nothing here patches Accelerate globally: the hook changes one `Accelerator` instance (its
+`scaler`, `native_amp`, the forward of its prepared models, its prepared optimizers, and its own
+`prepare_model`/`prepare_optimizer`/`autocast` attributes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import warnings
+from collections.abc import Callable
+from types import MethodType
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer, patch_optimizer_step
+from accelerate.utils import DistributedType, convert_outputs_to_fp32
+
+from .config import LossScaleConfig, resolve_config
+from .scaler import DynamicLossScaler
+
+__all__ = ["install_loss_scaler", "LossScaledOptimizer", "effective_mixed_precision"]
+
+logger = logging.getLogger(__name__)
+
+_OWN_SCALER = (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
+
+
+class LossScaledOptimizer(AcceleratedOptimizer):
+    """`AcceleratedOptimizer` whose `step_was_skipped` comes from the scaler's device-side flag.
+
+    Accelerate decides "skipped" by whether `optimizer.step` was called, which is wrong for fused
+    optimizers: they are always called and skip inside the kernel (accelerate issue 4242).
+    Reading `step_was_skipped` costs one host read of a 0-d device tensor.
+    """
+
+    def step(self, closure=None):
+        super().step(closure)
+        scaler = self.scaler
+        if self.gradient_state.sync_gradients and isinstance(scaler, DynamicLossScaler):
+            flag = scaler.step_skipped_tensor
+            self._skip_flag = None if flag is None or not scaler.is_enabled() else flag.clone()
+
+    @property
+    def step_was_skipped(self) -> bool:
+        flag = getattr(self, "_skip_flag", None)
+        if flag is None:
+            return self._is_overflow
+        return bool(flag.item())
+
+
+def effective_mixed_precision(accelerator: Accelerator) -> str:
+    """`"fp16"`, `"bf16"`, `"fp8"` or `"no"`, as the accelerator's state resolved it."""
+    return str(accelerator.state.mixed_precision)
+
+
+def install_loss_scaler(
+    accelerator: Accelerator,
+    config: LossScaleConfig | None = None,
+    *,
+    overrides: dict[str, Any] | None = None,
+) -> DynamicLossScaler | None:
+    """Replace `accelerator.scaler` with a `DynamicLossScaler`, before or after `prepare()`.
+
+    The config comes from `config` if given, else from `overrides` (fields set as arguments), the
+    `HF_LOSSSCALE_<FIELD>` environment variables and the file named by `HF_LOSSSCALE_CONFIG`, in
+    that order, over the defaults: a script calling `install_loss_scaler(accelerator)` can be
+    reconfigured under `accelerate launch` without code changes.
+
+    On a CPU with `mixed_precision="fp16"` (where Accelerate silently trains in FP32) it turns on
+    real FP16 autocast (`torch.autocast("cpu", dtype=torch.float16)`) for the prepared models, so
+    FP16 numerics, underflow included, are real. Native FP16 on a CPU is about 20x slower than
+    FP32: it is for correctness work and demos.
+
+    Returns the scaler, or `None` (with a warning) when the run is not FP16: bf16/FP32 need no
+    loss scaling.
+
+    Raises:
+        RuntimeError: under DeepSpeed or Megatron-LM, whose engines own their scaler (use
+            `LossScaleConfig.to_deepspeed_config()` there).
+
+    Example:
+
+    ```python
+    >>> from accelerate import Accelerator
+    >>> from hf_lossscale import install_loss_scaler, LossScaleConfig
+    >>> accelerator = Accelerator(mixed_precision="fp16")
+    >>> scaler = install_loss_scaler(accelerator, LossScaleConfig(min_scale=16.0, hysteresis=2))
+    >>> model, optimizer = accelerator.prepare(model, optimizer)  # doctest: +SKIP
+    ```
+    """
+    if accelerator.distributed_type in _OWN_SCALER:
+        raise RuntimeError(
+            f"install_loss_scaler: this run uses {accelerator.distributed_type.value}, whose engine owns "
+            "its loss scaler. Configure it in the engine's config instead (for DeepSpeed, "
+            "LossScaleConfig.to_deepspeed_config() gives the matching `fp16` section)."
+        )
+    precision = effective_mixed_precision(accelerator)
+    if precision != "fp16":
+        warnings.warn(
+            f"install_loss_scaler: mixed_precision={precision!r}, not 'fp16'; loss scaling is not "
+            "needed and no scaler was installed.",
+            stacklevel=2,
+        )
+        return None
+    config = resolve_config(config, overrides)
+    _warn_if_grad_scaler_kwargs_ignored(accelerator, config)
+
+    scaler = DynamicLossScaler(config, device=accelerator.device)
+    accelerator.scaler = scaler
+    if accelerator.device.type == "cpu":
+        _enable_cpu_fp16(accelerator)
+    for i, opt in enumerate(accelerator._optimizers):
+        accelerator._optimizers[i] = _attach_to_optimizer(opt, scaler)
+    for model in accelerator._models:
+        scaler.set_parameter_names(accelerator.unwrap_model(model, keep_fp32_wrapper=True))
+    _hook_prepare(accelerator)
+    logger.info("hf_lossscale: installed %r", scaler)
+    return scaler
+
+
+def _warn_if_grad_scaler_kwargs_ignored(accelerator: Accelerator, config: LossScaleConfig) -> None:
+    handler = getattr(accelerator, "scaler_handler", None)
+    if handler is None:
+        return
+    given = handler.to_kwargs()  # only the fields that differ from GradScalerKwargs' defaults
+    differing = {k: v for k, v in given.items() if getattr(config, k, v) != v}
+    if differing:
+        warnings.warn(
+            f"install_loss_scaler: GradScalerKwargs {differing} are replaced by the loss-scale config "
+            f"({ {k: getattr(config, k, None) for k in differing} }); set them through "
+            "LossScaleConfig / HF_LOSSSCALE_* instead.",
+            stacklevel=3,
+        )
+
+
+# ---------------------------------------------------------------------- optimizers
+def _attach_to_optimizer(opt: Any, scaler: DynamicLossScaler) -> Any:
+    """Point a prepared optimizer at the scaler, with the step machinery Accelerate gives it."""
+    if not isinstance(opt, AcceleratedOptimizer):
+        return opt
+    if getattr(opt, "scaler", None) is None:
+        # Wrapped while the scaler was None: it lacks the patched-step machinery.
+        opt._accelerate_step_called = False
+        opt._optimizer_original_step_method = opt.optimizer.step
+        opt._optimizer_patched_step_method = patch_optimizer_step(opt, opt.optimizer.step)
+    opt.scaler = scaler
+    if type(opt) is AcceleratedOptimizer:
+        opt.__class__ = LossScaledOptimizer
+    return opt
+
+
+# ---------------------------------------------------------------------- CPU FP16
+def cpu_fp16_context() -> contextlib.AbstractContextManager:
+    """The FP16 compute context for a CPU run: real CPU autocast."""
+    return torch.autocast("cpu", dtype=torch.float16)
+
+
+def _enable_cpu_fp16(accelerator: Accelerator) -> None:
+    """Turn on FP16 compute on the CPU, where Accelerate leaves `native_amp` off."""
+    # `native_amp` gates Accelerate's unscaling before clipping (`unscale_gradients`).
+    accelerator.native_amp = True
+    for model in accelerator._models:
+        _wrap_forward(accelerator.unwrap_model(model, keep_fp32_wrapper=True), cpu_fp16_context)
+    accelerator.autocast = MethodType(_cpu_autocast, accelerator)
+
+
+def _cpu_autocast(self: Accelerator, autocast_handler=None) -> contextlib.AbstractContextManager:
+    return cpu_fp16_context()
+
+
+def _wrap_forward(model: torch.nn.Module, context: Callable[[], contextlib.AbstractContextManager]) -> None:
+    """Run `model.forward` under `context()` and return FP32 outputs, as Accelerate's prepare does."""
+    if getattr(model, "_hf_lossscale_forward", False):
+        return
+    original = model.forward
+    func = original.__func__ if hasattr(original, "__func__") else original
+
+    @functools.wraps(func)
+    def forward(*args, **kwargs):
+        with context():
+            return func(*args, **kwargs)
+
+    model._original_forward = original
+    converted = convert_outputs_to_fp32(forward)
+    model.forward = MethodType(converted, model) if hasattr(original, "__func__") else converted
+    model._hf_lossscale_forward = True
+
+
+def _hook_prepare(accelerator: Accelerator) -> None:
+    """Make models and optimizers prepared later pick up the CPU FP16 context and the scaler."""
+    if getattr(accelerator, "_hf_lossscale_hooked", False):
+        return
+    accelerator._hf_lossscale_hooked = True
+    prepare_model = accelerator.prepare_model
+    prepare_optimizer = accelerator.prepare_optimizer
+
+    @functools.wraps(prepare_model)
+    def hooked_prepare_model(model, *args, **kwargs):
+        on_cpu = accelerator.device.type == "cpu" and isinstance(accelerator.scaler, DynamicLossScaler)
+        saved = accelerator.native_amp
+        if on_cpu:
+            accelerator.native_amp = False  # we wrap the forward ourselves, with the CPU context
+        try:
+            prepared = prepare_model(model, *args, **kwargs)
+        finally:
+            accelerator.native_amp = saved
+        inner = accelerator.unwrap_model(prepared, keep_fp32_wrapper=True)
+        if on_cpu:
+            _wrap_forward(inner, cpu_fp16_context)
+        if isinstance(accelerator.scaler, DynamicLossScaler):
+            accelerator.scaler.set_parameter_names(inner)
+        return prepared
+
+    @functools.wraps(prepare_optimizer)
+    def hooked_prepare_optimizer(optimizer, *args, **kwargs):
+        prepared = prepare_optimizer(optimizer, *args, **kwargs)
+        if isinstance(accelerator.scaler, DynamicLossScaler):
+            _attach_to_optimizer(prepared, accelerator.scaler)
+        return prepared
+
+    accelerator.prepare_model = hooked_prepare_model
+    accelerator.prepare_optimizer = hooked_prepare_optimizer

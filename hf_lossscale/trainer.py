@@ -1,0 +1,220 @@
+"""Trainer integration: `LossScaleTrainingArguments`, `LossScaleMixin` and `LossScaleTrainer`."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import Trainer, TrainingArguments
+from transformers.trainer import SCALER_NAME
+
+from .accelerate_hook import effective_mixed_precision, install_loss_scaler
+from .config import LossScaleConfig, resolve_config
+from .scaler import DynamicLossScaler
+
+__all__ = ["LossScaleTrainingArguments", "LossScaleMixin", "LossScaleTrainer", "ARG_TO_FIELD"]
+
+#: `LossScaleTrainingArguments` field -> `LossScaleConfig` field.
+ARG_TO_FIELD = {
+    "loss_scale_mode": "mode",
+    "loss_scale_init": "init_scale",
+    "loss_scale_growth_factor": "growth_factor",
+    "loss_scale_backoff_factor": "backoff_factor",
+    "loss_scale_growth_interval": "growth_interval",
+    "loss_scale_min": "min_scale",
+    "loss_scale_max": "max_scale",
+    "loss_scale_hysteresis": "hysteresis",
+    "loss_scale_consecutive_hysteresis": "consecutive_hysteresis",
+    "loss_scale_max_consecutive_skips": "max_consecutive_skips",
+}
+
+_FRESH_HINT = (
+    "To start a fresh loss scaler on purpose (initial scale, counters at zero), pass "
+    "`--loss_scale_fresh_on_resume` (LossScaleTrainingArguments) or "
+    "`LossScaleTrainer(..., loss_scale_fresh_on_resume=True)`."
+)
+
+
+@dataclass
+class LossScaleTrainingArguments(TrainingArguments):
+    """`TrainingArguments` with the loss-scale settings. `None` means "not set".
+
+    Set fields win over the `HF_LOSSSCALE_*` environment variables and the `HF_LOSSSCALE_CONFIG`
+    file; an explicit `loss_scale_config=` given to the trainer wins over all of them. Values are
+    validated here, through `LossScaleConfig`, so a bad flag fails at argument time.
+    """
+
+    loss_scale_mode: str | None = field(
+        default=None, metadata={"help": "Loss scaling: 'dynamic' (default), 'static' or 'off'."}
+    )
+    loss_scale_init: float | None = field(
+        default=None, metadata={"help": "Initial loss scale (default 2**16)."}
+    )
+    loss_scale_growth_factor: float | None = field(
+        default=None, metadata={"help": "Scale multiplier after a clean streak (default 2.0, > 1)."}
+    )
+    loss_scale_backoff_factor: float | None = field(
+        default=None, metadata={"help": "Scale multiplier on overflow (default 0.5, in (0, 1))."}
+    )
+    loss_scale_growth_interval: int | None = field(
+        default=None, metadata={"help": "Clean optimizer steps before the scale grows (default 2000)."}
+    )
+    loss_scale_min: float | None = field(default=None, metadata={"help": "Floor of the scale (default 1.0)."})
+    loss_scale_max: float | None = field(
+        default=None, metadata={"help": "Ceiling of the scale (default 2**24)."}
+    )
+    loss_scale_hysteresis: int | None = field(
+        default=None, metadata={"help": "Overflowing steps tolerated before a backoff (default 1)."}
+    )
+    loss_scale_consecutive_hysteresis: bool | None = field(
+        default=None, metadata={"help": "Refill the hysteresis budget on every clean step (default False)."}
+    )
+    loss_scale_max_consecutive_skips: int | None = field(
+        default=None,
+        metadata={
+            "help": "Raise after this many skipped steps in a row (default 100; 0 disables the check)."
+        },
+    )
+    loss_scale_fresh_on_resume: bool = field(
+        default=False,
+        metadata={"help": "On resume, start a fresh scaler when the checkpoint has no usable scaler state."},
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        resolve_config(None, self.loss_scale_overrides(), override_source="--")  # validate now
+        set_args = [name for name in ARG_TO_FIELD if getattr(self, name) is not None]
+        if set_args and not self.fp16_effective:
+            warnings.warn(
+                f"{set_args} are set but FP16 is off (fp16=False and ACCELERATE_MIXED_PRECISION is not "
+                "'fp16'): they have no effect.",
+                stacklevel=2,
+            )
+
+    @property
+    def fp16_effective(self) -> bool:
+        """FP16 as the Trainer's Accelerator will see it (`ACCELERATE_MIXED_PRECISION` can set it)."""
+        return bool(self.fp16) or os.environ.get("ACCELERATE_MIXED_PRECISION", "no") == "fp16"
+
+    def loss_scale_overrides(self) -> dict[str, Any]:
+        """The `LossScaleConfig` fields the user set, by config field name."""
+        out = {
+            name: getattr(self, arg) for arg, name in ARG_TO_FIELD.items() if getattr(self, arg) is not None
+        }
+        if out.get("max_consecutive_skips") == 0:
+            out["max_consecutive_skips"] = None  # 0 on the command line disables the collapse check
+        return out
+
+
+class LossScaleMixin:
+    """Put a `DynamicLossScaler` in charge of any `Trainer` subclass's FP16 training.
+
+    Use it first in the bases: `class MyTrainer(LossScaleMixin, Seq2SeqTrainer): ...`.
+
+    Adds to every log event `loss_scale`, `skipped_steps` (cumulative) and `overflow_rate` (skipped
+    / optimizer steps since the previous log). Reading them syncs once per log, not per step. The
+    LR scheduler is not stepped on a skipped optimizer step (fused optimizers included): the
+    Trainer reads the device-side skip flag once per optimizer step for that.
+
+    Args:
+        loss_scale_config (`LossScaleConfig`, *optional*): wins over the arguments, the environment
+            and the config file.
+        loss_scale_fresh_on_resume (`bool`, *optional*, defaults to `False`): on resume, start a
+            fresh scaler when the checkpoint holds no usable scaler state (otherwise an error).
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        loss_scale_config: LossScaleConfig | None = None,
+        loss_scale_fresh_on_resume: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        if loss_scale_config is not None and not isinstance(loss_scale_config, LossScaleConfig):
+            raise TypeError(
+                f"loss_scale_config must be a LossScaleConfig, got {type(loss_scale_config).__name__}."
+            )
+        self._loss_scale_config = loss_scale_config
+        self._loss_scale_fresh = loss_scale_fresh_on_resume
+        self.loss_scaler: DynamicLossScaler | None = None
+        self._last_logged_counts = (0, 0)
+        super().__init__(*args, **kwargs)
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        self.loss_scaler = None
+        overrides = self.args.loss_scale_overrides() if hasattr(self.args, "loss_scale_overrides") else {}
+        if effective_mixed_precision(self.accelerator) != "fp16":
+            if overrides or self._loss_scale_config is not None:
+                warnings.warn(
+                    "Loss-scale settings were given but the run is not FP16 "
+                    f"(mixed_precision={effective_mixed_precision(self.accelerator)!r}): they have no effect.",
+                    stacklevel=2,
+                )
+            return
+        self.loss_scaler = install_loss_scaler(self.accelerator, self._loss_scale_config, overrides=overrides)
+
+    # ------------------------------------------------------------------ logging
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        if self.loss_scaler is not None:
+            stats = self.loss_scaler.stats()
+            last_total, last_skipped = self._last_logged_counts
+            steps = stats["total_steps"] - last_total
+            skipped = stats["skipped_steps"] - last_skipped
+            logs["loss_scale"] = stats["loss_scale"]
+            logs["skipped_steps"] = stats["skipped_steps"]
+            logs["overflow_rate"] = skipped / steps if steps > 0 else 0.0
+            self._last_logged_counts = (stats["total_steps"], stats["skipped_steps"])
+        super().log(logs, *args, **kwargs)
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    def _fresh_on_resume(self) -> bool:
+        return self._loss_scale_fresh or bool(getattr(self.args, "loss_scale_fresh_on_resume", False))
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        scaler = self.loss_scaler
+        if checkpoint is None or scaler is None or not scaler.is_enabled():
+            return super()._load_scaler(checkpoint)
+        path = os.path.join(checkpoint, SCALER_NAME)
+        if not os.path.isfile(path):
+            return self._no_scaler_state(
+                f"Checkpoint {checkpoint} holds no loss-scaler state ({SCALER_NAME} is missing) but "
+                "loss scaling is on; resuming would silently reset the scale."
+            )
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as err:  # truncated, corrupted, not a torch file
+            return self._no_scaler_state(f"Cannot read the loss-scaler state {path}: {err}.")
+        try:
+            scaler.load_state_dict(state)
+        except ValueError as err:
+            return self._no_scaler_state(f"Invalid loss-scaler state in {path}: {err}")
+
+    def _no_scaler_state(self, problem: str) -> None:
+        if self._fresh_on_resume:
+            warnings.warn(f"{problem} Starting a fresh loss scaler, as requested.", stacklevel=3)
+            return
+        raise RuntimeError(f"{problem} {_FRESH_HINT}")
+
+
+class LossScaleTrainer(LossScaleMixin, Trainer):
+    """A `transformers.Trainer` whose FP16 loss scaling is a configurable `DynamicLossScaler`.
+
+    Same constructor as `Trainer`, plus `loss_scale_config=` (wins over the arguments) and
+    `loss_scale_fresh_on_resume=`. Plain `TrainingArguments` work too (then the config comes from
+    the environment or the defaults). On a CPU with `fp16=True` it trains with real FP16 autocast
+    instead of silently in FP32.
+
+    Example:
+
+    ```python
+    >>> from hf_lossscale import LossScaleTrainer, LossScaleTrainingArguments
+    >>> args = LossScaleTrainingArguments("out", fp16=True, loss_scale_min=16.0, loss_scale_hysteresis=2)
+    >>> trainer = LossScaleTrainer(model=model, args=args, train_dataset=train_dataset)  # doctest: +SKIP
+    >>> trainer.train()  # doctest: +SKIP
+    ```
+    """
