@@ -15,3 +15,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def reset_accelerate_state(monkeypatch):
+    """Accelerate keeps process-wide singletons; give each test a clean slate."""
+    for var in list(os.environ):
+        if var.startswith(("HF_LOSSSCALE_", "ACCELERATE_")):
+            monkeypatch.delenv(var)
+    yield
+    try:
+        from accelerate.state import AcceleratorState, GradientState, PartialState
+    except ImportError:
+        return
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()

@@ -1,0 +1,153 @@
+import copy
+import warnings
+
+import pytest
+import torch
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from tiny_models import tiny_mlp
+
+from hf_lossscale import DynamicLossScaler, LossScaleConfig, install_loss_scaler
+from hf_lossscale.accelerate_hook import LossScaledOptimizer
+
+
+def run(order, optimizer="adamw_fused", steps=5, bad=(2,), clip=True):
+    acc = Accelerator(mixed_precision="fp16")
+    assert acc.device.type == "cpu" and acc.scaler is None and not acc.native_amp  # what Accelerate does
+    model = tiny_mlp()
+    if optimizer == "adamw_fused":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    else:
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
+    dtypes = []
+    model[0].register_forward_hook(lambda m, i, o: dtypes.append(o.dtype))
+    if order == "before":
+        scaler = install_loss_scaler(acc, LossScaleConfig(init_scale=2.0**10))
+    model, opt = acc.prepare(model, opt)
+    if order == "after":
+        scaler = install_loss_scaler(acc, LossScaleConfig(init_scale=2.0**10))
+    g = torch.Generator().manual_seed(0)
+    history = []
+    for step in range(steps):
+        x = torch.randn(16, 4, generator=g)
+        before = copy.deepcopy(acc.unwrap_model(model).state_dict())
+        out = model(x)
+        loss = out.pow(2).mean()
+        if step in bad:
+            loss = loss * float("inf")
+        acc.backward(loss)
+        if clip:
+            acc.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        opt.zero_grad()
+        unchanged = all(torch.equal(v, acc.unwrap_model(model).state_dict()[k]) for k, v in before.items())
+        history.append(
+            (out.dtype, dtypes[-1], opt.step_was_skipped, acc.optimizer_step_was_skipped, unchanged)
+        )
+    return acc, scaler, model, opt, history
+
+
+@pytest.mark.parametrize("order", ["before", "after"])
+@pytest.mark.parametrize("optimizer", ["adamw_fused", "sgd"])
+def test_cpu_fp16_install_before_or_after_prepare(order, optimizer):
+    acc, scaler, model, opt, history = run(order, optimizer)
+    assert acc.scaler is scaler and acc.native_amp
+    assert isinstance(opt, LossScaledOptimizer) and opt.scaler is scaler
+    for step, (out_dtype, inner_dtype, skipped, acc_skipped, unchanged) in enumerate(history):
+        assert inner_dtype == torch.float16  # real FP16 compute on the CPU
+        assert out_dtype == torch.float32  # outputs converted back, as Accelerate does on GPUs
+        assert skipped == acc_skipped == (step == 2)  # right with the fused optimizer too
+        assert unchanged == (step == 2)
+    st = scaler.stats()
+    assert (st["total_steps"], st["skipped_steps"], st["loss_scale"]) == (5, 1, 2.0**9)
+
+
+def test_clip_sees_unscaled_gradients():
+    acc = Accelerator(mixed_precision="fp16")
+    scaler = install_loss_scaler(acc, LossScaleConfig(init_scale=2.0**12))
+    model = tiny_mlp()
+    reference = copy.deepcopy(model)
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(8, 4)
+    acc.backward(model(x).pow(2).mean())
+    norm = acc.clip_grad_norm_(model.parameters(), 1e9)
+    with torch.autocast("cpu", dtype=torch.float16):
+        loss = reference(x).float().pow(2).mean()
+    loss.backward()
+    ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e9)
+    assert scaler.get_scale() == 2.0**12
+    torch.testing.assert_close(norm, ref_norm, rtol=1e-2, atol=0)  # not 4096x larger
+
+
+def test_accumulate_steps_only_on_sync_steps():
+    acc = Accelerator(mixed_precision="fp16", gradient_accumulation_steps=4)
+    scaler = install_loss_scaler(acc, LossScaleConfig(init_scale=2.0**8))
+    model = tiny_mlp()
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    for i in range(8):
+        with acc.accumulate(model):
+            acc.backward(model(torch.randn(4, 4)).pow(2).mean())
+            if acc.sync_gradients:
+                acc.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+    assert scaler.stats()["total_steps"] == 2
+
+
+def test_save_and_load_state_round_trip(tmp_path):
+    acc, scaler, model, opt, _ = run("before", steps=4, bad=(1,))
+    acc.save_state(tmp_path / "ckpt")
+    saved = scaler.state_dict()
+    scaler.update(new_scale=3.0)
+    acc.load_state(tmp_path / "ckpt")
+    assert acc.scaler.state_dict() == saved
+
+
+def test_no_op_with_warning_for_bf16_and_fp32():
+    for mp in ("no", "bf16"):
+        acc = Accelerator(mixed_precision=mp)
+        with pytest.warns(UserWarning, match="not 'fp16'"):
+            assert install_loss_scaler(acc) is None
+        assert acc.scaler is None
+        from accelerate.state import AcceleratorState
+
+        AcceleratorState._reset_state(True)
+
+
+def test_environment_configures_the_scaler(tmp_path, monkeypatch):
+    path = tmp_path / "ls.yaml"
+    path.write_text("init_scale: 1024.0\nhysteresis: 3\nmin_scale: 2.0\n")
+    monkeypatch.setenv("HF_LOSSSCALE_CONFIG", str(path))
+    monkeypatch.setenv("HF_LOSSSCALE_MIN_SCALE", "8")
+    acc = Accelerator(mixed_precision="fp16")
+    scaler = install_loss_scaler(acc)
+    assert (scaler.config.init_scale, scaler.config.hysteresis, scaler.config.min_scale) == (1024.0, 3, 8.0)
+    # explicit config in code beats everything
+    assert install_loss_scaler(acc, LossScaleConfig()).config == LossScaleConfig()
+
+
+def test_no_global_patching():
+    acc = Accelerator(mixed_precision="fp16")
+    install_loss_scaler(acc)
+    assert Accelerator.prepare_model is not acc.prepare_model
+    assert "prepare_model" not in Accelerator.__dict__ or Accelerator.__dict__[
+        "prepare_model"
+    ].__module__.startswith("accelerate")
+    other = AcceleratedOptimizer(torch.optim.SGD(tiny_mlp().parameters(), lr=0.1))
+    assert type(other) is AcceleratedOptimizer
+
+
+def test_grad_scaler_kwargs_are_not_silently_dropped():
+    from accelerate.utils import GradScalerKwargs
+
+    acc = Accelerator(mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=1024.0)])
+    with pytest.warns(UserWarning, match="GradScalerKwargs"):
+        install_loss_scaler(acc)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        install_loss_scaler(acc, LossScaleConfig(init_scale=1024.0))
+
+
+def test_scaler_type():
+    acc = Accelerator(mixed_precision="fp16")
+    assert isinstance(install_loss_scaler(acc), DynamicLossScaler)

@@ -1,0 +1,257 @@
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import tiny_bert_classifier, tiny_classification_dataset
+from transformers import HfArgumentParser, TrainerCallback, TrainingArguments
+
+from hf_lossscale import LossScaleConfig, LossScaleMixin, LossScaleTrainer, LossScaleTrainingArguments
+
+
+class Recorder(TrainerCallback):
+    """Weights and LR after every optimizer step."""
+
+    def __init__(self):
+        self.lrs, self.weights = [], []
+
+    def on_step_end(self, args, state, control, model=None, optimizer=None, lr_scheduler=None, **kw):
+        self.lrs.append(lr_scheduler.get_last_lr()[0])
+        self.weights.append(model.classifier.weight.detach().clone())
+
+
+class InjectingTrainer(LossScaleTrainer):
+    """A user-style subclass overriding compute_loss: makes the loss non-finite at chosen steps."""
+
+    bad_steps = ()
+
+    def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
+        loss = super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
+        if self.state.global_step in self.bad_steps:
+            loss = loss * float("inf")
+        return loss
+
+
+def make_args(tmp_path, **kw):
+    defaults = dict(
+        output_dir=str(tmp_path / "out"),
+        fp16=True,
+        per_device_train_batch_size=8,
+        max_steps=12,
+        logging_steps=2,
+        report_to=[],
+        learning_rate=1e-3,
+        lr_scheduler_type="linear",
+        save_strategy="no",
+        disable_tqdm=True,
+        seed=0,
+        loss_scale_init=2.0**10,
+        loss_scale_growth_interval=3,
+    )
+    defaults.update(kw)
+    return LossScaleTrainingArguments(**defaults)
+
+
+def train(tmp_path, bad_steps=(), resume=None, **kw):
+    rec = Recorder()
+    trainer = InjectingTrainer(
+        model=tiny_bert_classifier(),
+        args=make_args(tmp_path, **kw),
+        train_dataset=tiny_classification_dataset(),
+        callbacks=[rec],
+    )
+    trainer.bad_steps = bad_steps
+    dtypes = []
+    trainer.model.bert.encoder.layer[0].attention.self.query.register_forward_hook(
+        lambda m, i, o: dtypes.append(o.dtype)
+    )
+    result = trainer.train(resume_from_checkpoint=resume)
+    return trainer, rec, result, dtypes
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"])
+def test_cpu_fp16_training_with_injected_overflow(tmp_path, optim):
+    trainer, rec, result, dtypes = train(tmp_path, bad_steps=(4,), optim=optim)
+    assert set(dtypes) == {torch.float16}  # really FP16 ops on the CPU
+    # step index 4 (the 5th optimizer step) was skipped: weights and LR unchanged
+    assert torch.equal(rec.weights[4], rec.weights[3])
+    assert rec.lrs[4] == rec.lrs[3]
+    assert all(not torch.equal(rec.weights[i], rec.weights[i - 1]) for i in range(1, 12) if i != 4)
+    assert all(rec.lrs[i] < rec.lrs[i - 1] for i in range(1, 12) if i != 4)
+    stats = trainer.loss_scaler.stats()
+    assert (stats["total_steps"], stats["skipped_steps"]) == (12, 1)
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert {"loss_scale", "skipped_steps", "overflow_rate"} <= set(logs[0])
+    by_step = {entry["step"]: entry for entry in logs}
+    assert by_step[4]["skipped_steps"] == 0 and by_step[6]["skipped_steps"] == 1
+    assert by_step[6]["overflow_rate"] == 0.5 and by_step[8]["overflow_rate"] == 0.0
+    losses = [entry["loss"] for entry in logs]
+    assert losses[-1] < losses[0]
+
+
+def test_resume_continues_exact_trajectory(tmp_path):
+    kw = dict(save_strategy="steps", save_steps=6, optim="adamw_torch_fused")
+    full, rec_full, *_ = train(tmp_path / "a", bad_steps=(3, 8), **kw)
+    ckpt = tmp_path / "a" / "out" / "checkpoint-6"
+    assert (ckpt / "scaler.pt").is_file()
+    resumed, rec_resumed, *_ = train(tmp_path / "a", bad_steps=(3, 8), resume=str(ckpt), **kw)
+    for a, b in zip(full.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b)
+    scales = lambda t: [
+        (e["step"], e["loss_scale"], e["skipped_steps"]) for e in t.state.log_history if "loss" in e
+    ]
+    assert scales(full) == scales(resumed)  # the resumed history holds the checkpoint's first part
+    assert [s[0] for s in scales(full)] == [2, 4, 6, 8, 10, 12]
+    assert [s[2] for s in scales(full)] == [0, 1, 1, 1, 2, 2]  # global_step 3 and 8 overflowed
+    assert full.loss_scaler.stats() == resumed.loss_scaler.stats()
+
+
+def test_resume_from_torch_grad_scaler_checkpoint(tmp_path):
+    kw = dict(save_strategy="steps", save_steps=6, max_steps=6)
+    train(tmp_path, **kw)
+    ckpt = tmp_path / "out" / "checkpoint-6"
+    gs = torch.amp.GradScaler("cpu", init_scale=512.0)
+    torch.save(gs.state_dict(), ckpt / "scaler.pt")
+    trainer, *_ = train(
+        tmp_path, resume=str(ckpt), max_steps=7, loss_scale_growth_interval=100, save_strategy="no"
+    )
+    assert trainer.loss_scaler.get_scale() == 512.0
+
+
+def test_missing_or_corrupt_scaler_state_is_refused(tmp_path):
+    kw = dict(save_strategy="steps", save_steps=6, max_steps=6)
+    train(tmp_path, **kw)
+    ckpt = tmp_path / "out" / "checkpoint-6"
+    (ckpt / "scaler.pt").write_bytes(b"\x80\x02truncated")
+    with pytest.raises(
+        RuntimeError, match=r"Cannot read the loss-scaler state .*scaler\.pt.*loss_scale_fresh_on_resume"
+    ):
+        train(tmp_path, resume=str(ckpt), max_steps=8, save_strategy="no")
+    (ckpt / "scaler.pt").unlink()
+    with pytest.raises(RuntimeError, match=r"holds no loss-scaler state.*silently reset"):
+        train(tmp_path, resume=str(ckpt), max_steps=8, save_strategy="no")
+    with pytest.warns(UserWarning, match="Starting a fresh loss scaler"):
+        trainer, *_ = train(
+            tmp_path, resume=str(ckpt), max_steps=8, save_strategy="no", loss_scale_fresh_on_resume=True
+        )
+    assert trainer.loss_scaler.stats()["total_steps"] == 2
+
+
+def test_explicit_config_wins_and_plain_training_arguments_work(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_LOSSSCALE_HYSTERESIS", "3")
+    args = TrainingArguments(
+        str(tmp_path), fp16=True, report_to=[], max_steps=2, per_device_train_batch_size=8
+    )
+    trainer = LossScaleTrainer(
+        model=tiny_bert_classifier(), args=args, train_dataset=tiny_classification_dataset()
+    )
+    assert trainer.loss_scaler.config.hysteresis == 3  # environment
+    largs = make_args(tmp_path, loss_scale_hysteresis=2)
+    trainer = LossScaleTrainer(
+        model=tiny_bert_classifier(), args=largs, train_dataset=tiny_classification_dataset()
+    )
+    assert trainer.loss_scaler.config.hysteresis == 2  # argument beats environment
+    trainer = LossScaleTrainer(
+        model=tiny_bert_classifier(),
+        args=largs,
+        train_dataset=tiny_classification_dataset(),
+        loss_scale_config=LossScaleConfig(hysteresis=5),
+    )
+    assert trainer.loss_scaler.config.hysteresis == 5  # explicit config beats all
+
+
+def test_mixin_with_seq2seq_trainer(tmp_path):
+    from datasets import Dataset
+    from transformers import Seq2SeqTrainer, Seq2SeqTrainingArguments, T5Config, T5ForConditionalGeneration
+
+    class MySeq2SeqTrainer(LossScaleMixin, Seq2SeqTrainer):
+        pass
+
+    torch.manual_seed(0)
+    model = T5ForConditionalGeneration(
+        T5Config(
+            vocab_size=64, d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2, decoder_start_token_id=0
+        )
+    )
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(1, 64, (32, 8), generator=g)
+    ds = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.flip(1).tolist()})
+    args = Seq2SeqTrainingArguments(
+        str(tmp_path), fp16=True, report_to=[], max_steps=6, logging_steps=3, per_device_train_batch_size=8
+    )
+    trainer = MySeq2SeqTrainer(
+        model=model, args=args, train_dataset=ds, loss_scale_config=LossScaleConfig(init_scale=256.0)
+    )
+    trainer.train()
+    assert trainer.loss_scaler.stats()["total_steps"] == 6
+    assert all("loss_scale" in e for e in trainer.state.log_history)
+
+
+def test_hf_argument_parser_flags_and_files(tmp_path):
+    parser = HfArgumentParser(LossScaleTrainingArguments)
+    (args,) = parser.parse_args_into_dataclasses(
+        [
+            "--output_dir", str(tmp_path), "--fp16", "--report_to", "none",
+            "--loss_scale_mode", "static", "--loss_scale_init", "4096", "--loss_scale_min", "4",
+            "--loss_scale_hysteresis", "2", "--loss_scale_consecutive_hysteresis", "true",
+            "--loss_scale_max_consecutive_skips", "0",
+        ]
+    )  # fmt: skip
+    assert args.loss_scale_overrides() == {
+        "mode": "static",
+        "init_scale": 4096.0,
+        "min_scale": 4.0,
+        "hysteresis": 2,
+        "consecutive_hysteresis": True,
+        "max_consecutive_skips": None,
+    }
+    path = tmp_path / "args.yaml"
+    path.write_text(f"output_dir: {tmp_path}\nfp16: true\nreport_to: none\nloss_scale_max: 65536\n")
+    (args,) = parser.parse_yaml_file(str(path))
+    assert args.loss_scale_overrides() == {"max_scale": 65536}
+    with pytest.raises(ValueError, match=r"backoff_factor=2\.0.*set by -- backoff_factor"):
+        parser.parse_args_into_dataclasses(
+            ["--output_dir", str(tmp_path), "--fp16", "--loss_scale_backoff_factor", "2"]
+        )
+
+
+def test_settings_without_fp16_warn(tmp_path, monkeypatch):
+    with pytest.warns(UserWarning, match=r"\['loss_scale_min'\] are set but FP16 is off"):
+        LossScaleTrainingArguments(str(tmp_path), report_to=[], loss_scale_min=2.0)
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        args = LossScaleTrainingArguments(str(tmp_path), report_to=[], loss_scale_min=2.0)
+    assert args.fp16_effective
+
+
+@pytest.mark.skipif(shutil.which("accelerate") is None, reason="accelerate CLI not on PATH")
+def test_accelerate_launch_configured_through_environment(tmp_path):
+    out = tmp_path / "result.json"
+    env = {
+        **os.environ,
+        "HF_LOSSSCALE_INIT_SCALE": "256",
+        "HF_LOSSSCALE_HYSTERESIS": "2",
+        "HF_LOSSSCALE_MAX_CONSECUTIVE_SKIPS": "none",
+    }
+    script = Path(__file__).parent / "scripts" / "accelerate_train.py"
+    cmd = ["accelerate", "launch", "--cpu", "--num_processes", "1", "--num_machines", "1",
+           "--mixed_precision", "fp16", "--dynamo_backend", "no", str(script), str(out)]  # fmt: skip
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    import json
+
+    result = json.loads(out.read_text())
+    assert result["mixed_precision"] == "fp16"
+    assert result["config"]["init_scale"] == 256.0 and result["config"]["hysteresis"] == 2
+    assert result["config"]["max_consecutive_skips"] is None
+    assert result["dtypes"] == ["torch.float16"]
+    assert result["stats"]["total_steps"] == 20 and result["stats"]["skipped_steps"] == 1
+    assert result["stats"]["loss_scale"] == 256.0  # hysteresis 2: one overflow does not back off
+    assert result["last_loss"] < result["first_loss"]
+    assert sys.executable
