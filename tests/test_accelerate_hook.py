@@ -84,7 +84,7 @@ def test_accumulate_steps_only_on_sync_steps():
     scaler = install_loss_scaler(acc, LossScaleConfig(init_scale=2.0**8))
     model = tiny_mlp()
     model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
-    for i in range(8):
+    for _i in range(8):
         with acc.accumulate(model):
             acc.backward(model(torch.randn(4, 4)).pow(2).mean())
             if acc.sync_gradients:

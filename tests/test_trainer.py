@@ -100,9 +100,10 @@ def test_resume_continues_exact_trajectory(tmp_path):
     resumed, rec_resumed, *_ = train(tmp_path / "a", bad_steps=(3, 8), resume=str(ckpt), **kw)
     for a, b in zip(full.model.parameters(), resumed.model.parameters()):
         assert torch.equal(a, b)
-    scales = lambda t: [
-        (e["step"], e["loss_scale"], e["skipped_steps"]) for e in t.state.log_history if "loss" in e
-    ]
+
+    def scales(t):
+        return [(e["step"], e["loss_scale"], e["skipped_steps"]) for e in t.state.log_history if "loss" in e]
+
     assert scales(full) == scales(resumed)  # the resumed history holds the checkpoint's first part
     assert [s[0] for s in scales(full)] == [2, 4, 6, 8, 10, 12]
     assert [s[2] for s in scales(full)] == [0, 1, 1, 1, 2, 2]  # global_step 3 and 8 overflowed
