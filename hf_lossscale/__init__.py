@@ -8,6 +8,7 @@ from importlib import import_module
 from typing import Any
 
 from .config import LossScaleConfig
+from .emulation import fp16_emulation, measure_flushed_fraction
 from .scaler import DynamicLossScaler, LossScaleCollapseError
 
 __version__ = "0.1.0"
@@ -20,7 +21,15 @@ _LAZY = {
     "LossScaleMixin": "trainer",
 }
 
-__all__ = ["DynamicLossScaler", "LossScaleCollapseError", "LossScaleConfig", "__version__", *_LAZY]
+__all__ = [
+    "DynamicLossScaler",
+    "LossScaleCollapseError",
+    "LossScaleConfig",
+    "fp16_emulation",
+    "measure_flushed_fraction",
+    "__version__",
+    *_LAZY,
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -21,6 +21,7 @@ from accelerate.optimizer import AcceleratedOptimizer, patch_optimizer_step
 from accelerate.utils import DistributedType, convert_outputs_to_fp32
 
 from .config import LossScaleConfig, resolve_config
+from .emulation import fp16_emulation
 from .scaler import DynamicLossScaler
 
 __all__ = ["install_loss_scaler", "LossScaledOptimizer", "effective_mixed_precision"]
@@ -72,9 +73,12 @@ def install_loss_scaler(
     reconfigured under `accelerate launch` without code changes.
 
     On a CPU with `mixed_precision="fp16"` (where Accelerate silently trains in FP32) it turns on
-    real FP16 autocast (`torch.autocast("cpu", dtype=torch.float16)`) for the prepared models, so
-    FP16 numerics, underflow included, are real. Native FP16 on a CPU is about 20x slower than
-    FP32: it is for correctness work and demos.
+    FP16 numerics for the prepared models' forward (evaluation included) and for
+    `accelerator.backward`: by default emulated (`fp16_emulation(policy="cuda")`: FP16 rounding,
+    underflow and overflow at FP32 speed), or with `fp16_on_cpu="native"` real
+    `torch.autocast("cpu", dtype=torch.float16)`, about 20x slower than FP32 (for correctness work
+    and demos). Which one ran is logged and kept in `accelerator.hf_lossscale_fp16` (`"emulated"`,
+    `"native-cpu"` or `"cuda"`).
 
     Returns the scaler, or `None` (with a warning) when the run is not FP16: bf16/FP32 need no
     loss scaling.
@@ -112,8 +116,9 @@ def install_loss_scaler(
 
     scaler = DynamicLossScaler(config, device=accelerator.device)
     accelerator.scaler = scaler
+    accelerator.hf_lossscale_fp16 = accelerator.device.type
     if accelerator.device.type == "cpu":
-        _enable_cpu_fp16(accelerator)
+        _enable_cpu_fp16(accelerator, config.fp16_on_cpu)
     for i, opt in enumerate(accelerator._optimizers):
         accelerator._optimizers[i] = _attach_to_optimizer(opt, scaler)
     for model in accelerator._models:
@@ -155,22 +160,40 @@ def _attach_to_optimizer(opt: Any, scaler: DynamicLossScaler) -> Any:
 
 
 # ---------------------------------------------------------------------- CPU FP16
-def cpu_fp16_context() -> contextlib.AbstractContextManager:
-    """The FP16 compute context for a CPU run: real CPU autocast."""
-    return torch.autocast("cpu", dtype=torch.float16)
+def _cpu_context_factory(fp16_on_cpu: str) -> Callable[[], contextlib.AbstractContextManager]:
+    """The FP16 compute context of a CPU run: the one branch between emulation and real autocast."""
+    if fp16_on_cpu == "emulate":
+        return functools.partial(fp16_emulation, "cuda")
+    return functools.partial(torch.autocast, "cpu", dtype=torch.float16)
 
 
-def _enable_cpu_fp16(accelerator: Accelerator) -> None:
+def _enable_cpu_fp16(accelerator: Accelerator, fp16_on_cpu: str) -> None:
     """Turn on FP16 compute on the CPU, where Accelerate leaves `native_amp` off."""
+    context = _cpu_context_factory(fp16_on_cpu)
+    accelerator.hf_lossscale_fp16 = "emulated" if fp16_on_cpu == "emulate" else "native-cpu"
+    accelerator._hf_lossscale_context = context
     # `native_amp` gates Accelerate's unscaling before clipping (`unscale_gradients`).
     accelerator.native_amp = True
     for model in accelerator._models:
-        _wrap_forward(accelerator.unwrap_model(model, keep_fp32_wrapper=True), cpu_fp16_context)
-    accelerator.autocast = MethodType(_cpu_autocast, accelerator)
+        _wrap_forward(accelerator.unwrap_model(model, keep_fp32_wrapper=True), context)
+    accelerator.autocast = MethodType(lambda self, autocast_handler=None: context(), accelerator)
+    if fp16_on_cpu == "emulate":
+        # Gradient checkpointing recomputes the forward during backward: emulate there too.
+        backward = type(accelerator).backward.__get__(accelerator)
 
+        @functools.wraps(backward)
+        def emulated_backward(loss, **kwargs):
+            with context():
+                return backward(loss, **kwargs)
 
-def _cpu_autocast(self: Accelerator, autocast_handler=None) -> contextlib.AbstractContextManager:
-    return cpu_fp16_context()
+        accelerator.backward = emulated_backward
+    logger.warning(
+        "hf_lossscale: FP16 on the CPU is %s (%s); figures from this run are not GPU measurements.",
+        "EMULATED" if fp16_on_cpu == "emulate" else "native CPU autocast",
+        "fp16_emulation(policy='cuda')"
+        if fp16_on_cpu == "emulate"
+        else "torch.autocast('cpu', float16), ~20x slower",
+    )
 
 
 def _wrap_forward(model: torch.nn.Module, context: Callable[[], contextlib.AbstractContextManager]) -> None:
@@ -211,7 +234,7 @@ def _hook_prepare(accelerator: Accelerator) -> None:
             accelerator.native_amp = saved
         inner = accelerator.unwrap_model(prepared, keep_fp32_wrapper=True)
         if on_cpu:
-            _wrap_forward(inner, cpu_fp16_context)
+            _wrap_forward(inner, accelerator._hf_lossscale_context)
         if isinstance(accelerator.scaler, DynamicLossScaler):
             accelerator.scaler.set_parameter_names(inner)
         return prepared

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LossScaleConfig", "MODES", "ENV_PREFIX", "ENV_CONFIG_FILE"]
+__all__ = ["LossScaleConfig", "MODES", "FP16_ON_CPU", "ENV_PREFIX", "ENV_CONFIG_FILE", "resolve_config"]
 
 MODES = ("dynamic", "static", "off")
 FP16_ON_CPU = ("emulate", "native")
@@ -57,6 +57,10 @@ class LossScaleConfig:
             the scale grows (Megatron's rule).
         max_consecutive_skips (`int` or `None`, *optional*, defaults to `100`):
             raise `LossScaleCollapseError` after this many skipped steps in a row; `None` disables.
+        fp16_on_cpu (`str`, *optional*, defaults to `"emulate"`):
+            how an FP16 run on a CPU computes: `"emulate"` (FP16 numerics at FP32 speed, see
+            `fp16_emulation`) or `"native"` (real `torch.autocast("cpu", float16)`, ~20x slower).
+            Never used on CUDA, where autocast is real.
 
     Example:
 
@@ -89,6 +93,13 @@ class LossScaleConfig:
     max_consecutive_skips: int | None = field(
         default=100,
         metadata={"help": "Raise LossScaleCollapseError after this many skips in a row (None: never)."},
+    )
+
+    fp16_on_cpu: str = field(
+        default="emulate",
+        metadata={
+            "help": f"FP16 on a CPU: one of {FP16_ON_CPU} (emulated numerics at FP32 speed, or real autocast)."
+        },
     )
 
     def __post_init__(self) -> None:
@@ -129,6 +140,8 @@ class LossScaleConfig:
                 f"LossScaleConfig.max_consecutive_skips={mcs!r} must be an integer >= 1, "
                 "or None to disable the collapse check."
             )
+        if not isinstance(self.fp16_on_cpu, str) or self.fp16_on_cpu not in FP16_ON_CPU:
+            raise ValueError(f"LossScaleConfig.fp16_on_cpu={self.fp16_on_cpu!r} is not one of {FP16_ON_CPU}.")
         if self.min_scale > self.max_scale:
             raise ValueError(
                 f"LossScaleConfig.min_scale={self.min_scale!r} is above "

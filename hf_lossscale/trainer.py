@@ -29,6 +29,7 @@ ARG_TO_FIELD = {
     "loss_scale_hysteresis": "hysteresis",
     "loss_scale_consecutive_hysteresis": "consecutive_hysteresis",
     "loss_scale_max_consecutive_skips": "max_consecutive_skips",
+    "loss_scale_fp16_on_cpu": "fp16_on_cpu",
 }
 
 _FRESH_HINT = (
@@ -76,6 +77,12 @@ class LossScaleTrainingArguments(TrainingArguments):
         default=None,
         metadata={
             "help": "Raise after this many skipped steps in a row (default 100; 0 disables the check)."
+        },
+    )
+    loss_scale_fp16_on_cpu: str | None = field(
+        default=None,
+        metadata={
+            "help": "FP16 on a CPU: 'emulate' (default; FP16 numerics at FP32 speed) or 'native' (~20x slower)."
         },
     )
     loss_scale_fresh_on_resume: bool = field(
@@ -167,6 +174,8 @@ class LossScaleMixin:
             logs["loss_scale"] = stats["loss_scale"]
             logs["skipped_steps"] = stats["skipped_steps"]
             logs["overflow_rate"] = skipped / steps if steps > 0 else 0.0
+            # 1.0 when FP16 was emulated on the CPU: such figures are not GPU measurements.
+            logs["fp16_emulated"] = float(getattr(self.accelerator, "hf_lossscale_fp16", "") == "emulated")
             self._last_logged_counts = (stats["total_steps"], stats["skipped_steps"])
         super().log(logs, *args, **kwargs)
 

@@ -11,7 +11,7 @@ from hf_lossscale import DynamicLossScaler, LossScaleConfig, install_loss_scaler
 from hf_lossscale.accelerate_hook import LossScaledOptimizer
 
 
-def run(order, optimizer="adamw_fused", steps=5, bad=(2,), clip=True):
+def run(order, optimizer="adamw_fused", steps=5, bad=(2,), clip=True, fp16_on_cpu="native"):
     acc = Accelerator(mixed_precision="fp16")
     assert acc.device.type == "cpu" and acc.scaler is None and not acc.native_amp  # what Accelerate does
     model = tiny_mlp()
@@ -20,12 +20,16 @@ def run(order, optimizer="adamw_fused", steps=5, bad=(2,), clip=True):
     else:
         opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9)
     dtypes = []
-    model[0].register_forward_hook(lambda m, i, o: dtypes.append(o.dtype))
+    # the dtype FP16 compute really held: real float16, or float32 tagged as emulated FP16
+    model[0].register_forward_hook(
+        lambda m, i, o: dtypes.append(torch.float16 if getattr(o, "_hf_fp16", False) else o.dtype)
+    )
+    config = LossScaleConfig(init_scale=2.0**10, fp16_on_cpu=fp16_on_cpu)
     if order == "before":
-        scaler = install_loss_scaler(acc, LossScaleConfig(init_scale=2.0**10))
+        scaler = install_loss_scaler(acc, config)
     model, opt = acc.prepare(model, opt)
     if order == "after":
-        scaler = install_loss_scaler(acc, LossScaleConfig(init_scale=2.0**10))
+        scaler = install_loss_scaler(acc, config)
     g = torch.Generator().manual_seed(0)
     history = []
     for step in range(steps):
@@ -49,9 +53,11 @@ def run(order, optimizer="adamw_fused", steps=5, bad=(2,), clip=True):
 
 @pytest.mark.parametrize("order", ["before", "after"])
 @pytest.mark.parametrize("optimizer", ["adamw_fused", "sgd"])
-def test_cpu_fp16_install_before_or_after_prepare(order, optimizer):
-    acc, scaler, model, opt, history = run(order, optimizer)
+@pytest.mark.parametrize("fp16_on_cpu", ["native", "emulate"])
+def test_cpu_fp16_install_before_or_after_prepare(order, optimizer, fp16_on_cpu):
+    acc, scaler, model, opt, history = run(order, optimizer, fp16_on_cpu=fp16_on_cpu)
     assert acc.scaler is scaler and acc.native_amp
+    assert acc.hf_lossscale_fp16 == {"native": "native-cpu", "emulate": "emulated"}[fp16_on_cpu]
     assert isinstance(opt, LossScaledOptimizer) and opt.scaler is scaler
     for step, (out_dtype, inner_dtype, skipped, acc_skipped, unchanged) in enumerate(history):
         assert inner_dtype == torch.float16  # real FP16 compute on the CPU
@@ -64,7 +70,7 @@ def test_cpu_fp16_install_before_or_after_prepare(order, optimizer):
 
 def test_clip_sees_unscaled_gradients():
     acc = Accelerator(mixed_precision="fp16")
-    scaler = install_loss_scaler(acc, LossScaleConfig(init_scale=2.0**12))
+    scaler = install_loss_scaler(acc, LossScaleConfig(init_scale=2.0**12, fp16_on_cpu="native"))
     model = tiny_mlp()
     reference = copy.deepcopy(model)
     model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))

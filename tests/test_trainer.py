@@ -66,16 +66,21 @@ def train(tmp_path, bad_steps=(), resume=None, **kw):
     trainer.bad_steps = bad_steps
     dtypes = []
     trainer.model.bert.encoder.layer[0].attention.self.query.register_forward_hook(
-        lambda m, i, o: dtypes.append(o.dtype)
+        lambda m, i, o: dtypes.append("emulated" if getattr(o, "_hf_fp16", False) else o.dtype)
     )
     result = trainer.train(resume_from_checkpoint=resume)
     return trainer, rec, result, dtypes
 
 
-@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"])
-def test_cpu_fp16_training_with_injected_overflow(tmp_path, optim):
-    trainer, rec, result, dtypes = train(tmp_path, bad_steps=(4,), optim=optim)
-    assert set(dtypes) == {torch.float16}  # really FP16 ops on the CPU
+@pytest.mark.parametrize(
+    ("optim", "fp16_on_cpu"), [("adamw_torch", "native"), ("adamw_torch_fused", "emulate")]
+)
+def test_cpu_fp16_training_with_injected_overflow(tmp_path, optim, fp16_on_cpu):
+    trainer, rec, result, dtypes = train(
+        tmp_path, bad_steps=(4,), optim=optim, loss_scale_fp16_on_cpu=fp16_on_cpu
+    )
+    # really FP16 ops on the CPU (native), or FP32 ops rounded as FP16 (emulated)
+    assert set(dtypes) == {torch.float16 if fp16_on_cpu == "native" else "emulated"}
     # step index 4 (the 5th optimizer step) was skipped: weights and LR unchanged
     assert torch.equal(rec.weights[4], rec.weights[3])
     assert rec.lrs[4] == rec.lrs[3]
@@ -84,7 +89,8 @@ def test_cpu_fp16_training_with_injected_overflow(tmp_path, optim):
     stats = trainer.loss_scaler.stats()
     assert (stats["total_steps"], stats["skipped_steps"]) == (12, 1)
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
-    assert {"loss_scale", "skipped_steps", "overflow_rate"} <= set(logs[0])
+    assert {"loss_scale", "skipped_steps", "overflow_rate", "fp16_emulated"} <= set(logs[0])
+    assert logs[0]["fp16_emulated"] == (1.0 if fp16_on_cpu == "emulate" else 0.0)
     by_step = {entry["step"]: entry for entry in logs}
     assert by_step[4]["skipped_steps"] == 0 and by_step[6]["skipped_steps"] == 1
     assert by_step[6]["overflow_rate"] == 0.5 and by_step[8]["overflow_rate"] == 0.0
@@ -239,6 +245,7 @@ def test_accelerate_launch_configured_through_environment(tmp_path):
         "HF_LOSSSCALE_INIT_SCALE": "256",
         "HF_LOSSSCALE_HYSTERESIS": "2",
         "HF_LOSSSCALE_MAX_CONSECUTIVE_SKIPS": "none",
+        "HF_LOSSSCALE_FP16_ON_CPU": "native",
     }
     script = Path(__file__).parent / "scripts" / "accelerate_train.py"
     cmd = ["accelerate", "launch", "--cpu", "--num_processes", "1", "--num_machines", "1",
