@@ -84,8 +84,7 @@ def install_loss_scaler(
     loss scaling.
 
     Raises:
-        RuntimeError: under DeepSpeed or Megatron-LM, whose engines own their scaler (use
-            `LossScaleConfig.to_deepspeed_config()` there).
+        RuntimeError: under DeepSpeed or Megatron-LM, whose engines own their scaler.
 
     Example:
 
@@ -100,8 +99,9 @@ def install_loss_scaler(
     if accelerator.distributed_type in _OWN_SCALER:
         raise RuntimeError(
             f"install_loss_scaler: this run uses {accelerator.distributed_type.value}, whose engine owns "
-            "its loss scaler. Configure it in the engine's config instead (for DeepSpeed, "
-            "LossScaleConfig.to_deepspeed_config() gives the matching `fp16` section)."
+            "its loss scaler. Configure loss scaling in the engine's own config instead (for DeepSpeed, "
+            "its `fp16` section: loss_scale 0, initial_scale_power, loss_scale_window, hysteresis, "
+            "min_loss_scale)."
         )
     precision = effective_mixed_precision(accelerator)
     if precision != "fp16":

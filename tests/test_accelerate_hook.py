@@ -157,3 +157,14 @@ def test_grad_scaler_kwargs_are_not_silently_dropped():
 def test_scaler_type():
     acc = Accelerator(mixed_precision="fp16")
     assert isinstance(install_loss_scaler(acc), DynamicLossScaler)
+
+
+@pytest.mark.parametrize("engine", ["DEEPSPEED", "MEGATRON_LM"])
+def test_engines_that_own_their_scaler_are_refused(engine):
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    fake = SimpleNamespace(distributed_type=getattr(DistributedType, engine))
+    with pytest.raises(RuntimeError, match="owns its loss scaler.*fp16` section"):
+        install_loss_scaler(fake)
