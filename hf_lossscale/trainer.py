@@ -202,6 +202,9 @@ class LossScaleMixin:
             scaler.load_state_dict(state)
         except ValueError as err:
             return self._no_scaler_state(f"Invalid loss-scaler state in {path}: {err}")
+        # `overflow_rate` counts from the checkpoint on, as the uninterrupted run does.
+        stats = scaler.stats()
+        self._last_logged_counts = (stats["total_steps"], stats["skipped_steps"])
 
     def _no_scaler_state(self, problem: str) -> None:
         if self._fresh_on_resume:

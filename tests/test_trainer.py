@@ -108,7 +108,11 @@ def test_resume_continues_exact_trajectory(tmp_path):
         assert torch.equal(a, b)
 
     def scales(t):
-        return [(e["step"], e["loss_scale"], e["skipped_steps"]) for e in t.state.log_history if "loss" in e]
+        return [
+            (e["step"], e["loss_scale"], e["skipped_steps"], e["overflow_rate"])
+            for e in t.state.log_history
+            if "loss" in e
+        ]
 
     assert scales(full) == scales(resumed)  # the resumed history holds the checkpoint's first part
     assert [s[0] for s in scales(full)] == [2, 4, 6, 8, 10, 12]
