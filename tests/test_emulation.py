@@ -3,6 +3,7 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from tiny_models import tiny_bert_config
 
 from hf_lossscale import fp16_emulation, measure_flushed_fraction
 
@@ -85,18 +86,10 @@ def test_gradients_flush_below_fp16_range():
 
 
 def test_gradient_checkpointing_needs_and_gets_backward_inside():
-    from transformers import BertConfig, BertForMaskedLM
+    from transformers import BertForMaskedLM
 
     torch.manual_seed(0)
-    cfg = BertConfig(
-        vocab_size=64,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        intermediate_size=64,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-    )
+    cfg = tiny_bert_config(vocab_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
     model = BertForMaskedLM(cfg).train()
     batch = {"input_ids": torch.randint(0, 64, (2, 16)), "labels": torch.randint(0, 64, (2, 16))}
     grads = []

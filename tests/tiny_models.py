@@ -3,20 +3,27 @@
 import torch
 
 
-def tiny_bert_classifier(seed=0, num_labels=2):
-    from transformers import BertConfig, BertForSequenceClassification
+def tiny_bert_config(**overrides):
+    """A 2-layer, 32-wide BERT config; `overrides` change any field."""
+    from transformers import BertConfig
 
-    torch.manual_seed(seed)
-    cfg = BertConfig(
+    fields = dict(
         vocab_size=100,
         hidden_size=32,
         num_hidden_layers=2,
         num_attention_heads=2,
         intermediate_size=64,
         max_position_embeddings=32,
-        num_labels=num_labels,
     )
-    return BertForSequenceClassification(cfg)
+    fields.update(overrides)
+    return BertConfig(**fields)
+
+
+def tiny_bert_classifier(seed=0, num_labels=2):
+    from transformers import BertForSequenceClassification
+
+    torch.manual_seed(seed)
+    return BertForSequenceClassification(tiny_bert_config(num_labels=num_labels))
 
 
 def tiny_classification_dataset(n=64, seq=12, seed=0):
