@@ -44,7 +44,7 @@ class LossScaledOptimizer(AcceleratedOptimizer):
         scaler = self.scaler
         if self.gradient_state.sync_gradients and isinstance(scaler, DynamicLossScaler):
             flag = scaler.step_skipped_tensor
-            self._skip_flag = None if flag is None or not scaler.is_enabled() else flag.clone()
+            self._skip_flag = flag if scaler.is_enabled() else None  # a snapshot: update() replaces it
 
     @property
     def step_was_skipped(self) -> bool:

@@ -395,7 +395,7 @@ class DynamicLossScaler:
         self._total_steps += 1
         self._skipped_steps += found_i
         self._consecutive_skips.mul_(found_i).add_(found_i)
-        self._last_skipped.copy_(found)
+        self._last_skipped = found  # a fresh tensor each update: holders keep a snapshot
         if c.mode != "dynamic":
             return
         scale, growth, hyst = self._scale, self._growth_tracker, self._hysteresis_tracker
@@ -490,7 +490,10 @@ class DynamicLossScaler:
 
     @property
     def step_skipped_tensor(self) -> torch.Tensor | None:
-        """A 0-d bool tensor on the device: was the last iteration's step skipped? No sync."""
+        """A 0-d bool tensor on the device: was the last iteration's step skipped? No sync.
+
+        Each `update()` makes a new tensor, so a reference kept by the caller stays that step's flag.
+        """
         return self._last_skipped
 
     @property
