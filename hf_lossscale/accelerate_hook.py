@@ -24,7 +24,7 @@ from .config import LossScaleConfig, resolve_config
 from .emulation import fp16_emulation
 from .scaler import DynamicLossScaler
 
-__all__ = ["install_loss_scaler", "LossScaledOptimizer", "effective_mixed_precision"]
+__all__ = ["install_loss_scaler", "LossScaledOptimizer", "effective_mixed_precision", "plain_forward"]
 
 logger = logging.getLogger(__name__)
 
@@ -212,6 +212,22 @@ def _wrap_forward(model: torch.nn.Module, context: Callable[[], contextlib.Abstr
     converted = convert_outputs_to_fp32(forward)
     model.forward = MethodType(converted, model) if hasattr(original, "__func__") else converted
     model._hf_lossscale_forward = True
+
+
+@contextlib.contextmanager
+def plain_forward(model: torch.nn.Module):
+    """Temporarily give a prepared model its own forward, without the FP16 wrapper that Accelerate
+    (autocast) or `install_loss_scaler` (CPU FP16) put around it: for FP32 reference passes."""
+    original = model.__dict__.get("_original_forward")
+    wrapped = model.__dict__.get("forward")
+    if original is None or wrapped is None:
+        yield model
+        return
+    model.forward = original
+    try:
+        yield model
+    finally:
+        model.forward = wrapped
 
 
 def _hook_prepare(accelerator: Accelerator) -> None:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,11 +13,15 @@ import torch
 from transformers import Trainer, TrainingArguments
 from transformers.trainer import SCALER_NAME
 
-from .accelerate_hook import effective_mixed_precision, install_loss_scaler
+from .accelerate_hook import effective_mixed_precision, install_loss_scaler, plain_forward
 from .config import LossScaleConfig, resolve_config
-from .scaler import DynamicLossScaler
+from .emulation import measure_flushed_fraction
+from .scaler import DynamicLossScaler, LossScaleCollapseError
 
-__all__ = ["LossScaleTrainingArguments", "LossScaleMixin", "LossScaleTrainer", "ARG_TO_FIELD"]
+__all__ = ["LossScaleTrainingArguments", "LossScaleMixin", "LossScaleTrainer", "ARG_TO_FIELD", "EVENT_LOG_NAME"]
+
+#: The JSONL event log every `LossScaleMixin` run writes to its `output_dir` (main process only).
+EVENT_LOG_NAME = "loss_scale_log.jsonl"
 
 #: `LossScaleTrainingArguments` field -> `LossScaleConfig` field.
 ARG_TO_FIELD = {
@@ -89,6 +95,17 @@ class LossScaleTrainingArguments(TrainingArguments):
         default=False,
         metadata={"help": "On resume, start a fresh scaler when the checkpoint has no usable scaler state."},
     )
+    loss_scale_measure_flushed: bool = field(
+        default=False,
+        metadata={
+            "help": "Measure the fraction of gradient elements that FP16 flushes to zero (against an FP32 "
+            "pass on the first training batch) at the start and the end of training, at the scale in force."
+        },
+    )
+    loss_scale_event_log: bool = field(
+        default=True,
+        metadata={"help": f"Write the JSONL event log `{EVENT_LOG_NAME}` (scale, skips, logs) to output_dir."},
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -148,6 +165,7 @@ class LossScaleMixin:
         self._loss_scale_fresh = loss_scale_fresh_on_resume
         self.loss_scaler: DynamicLossScaler | None = None
         self._last_logged_counts = (0, 0)
+        self._flush_batch: dict[str, Any] | None = None
         super().__init__(*args, **kwargs)
 
     def create_accelerator_and_postprocess(self) -> None:
@@ -178,6 +196,110 @@ class LossScaleMixin:
             logs["fp16_emulated"] = float(getattr(self.accelerator, "hf_lossscale_fp16", "") == "emulated")
             self._last_logged_counts = (stats["total_steps"], stats["skipped_steps"])
         super().log(logs, *args, **kwargs)
+        self._write_event({"event": "log", **self.state.log_history[-1]})
+
+    # ------------------------------------------------------------------ event log
+    def _event_log_path(self) -> str | None:
+        if not getattr(self.args, "loss_scale_event_log", True) or self.args.output_dir is None:
+            return None
+        return os.path.join(self.args.output_dir, EVENT_LOG_NAME) if self.is_world_process_zero() else None
+
+    def _write_event(self, event: dict[str, Any]) -> None:
+        """Append one JSON line to the event log. A resumed or repeated run appends (nothing is lost);
+        readers take the events after the last `run_start` whose `resumed` is false."""
+        path = self._event_log_path()
+        if path is None:
+            return
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(event) + "\n")
+
+    def _run_info(self) -> dict[str, Any]:
+        import accelerate
+        import transformers
+
+        from . import __version__
+
+        scaler = self.loss_scaler
+        precision = effective_mixed_precision(self.accelerator)
+        return {
+            "mixed_precision": precision,
+            # "emulated", "native-cpu", "cuda"; "fp32"/"bf16" when no loss scaling applies
+            "fp16": getattr(self.accelerator, "hf_lossscale_fp16", None) if scaler else None,
+            "loss_scale_config": scaler.config.to_dict() if scaler else None,
+            "world_size": self.args.world_size,
+            "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
+            "per_device_train_batch_size": self.args.per_device_train_batch_size,
+            "max_steps": self.args.max_steps,
+            "seed": self.args.seed,
+            "versions": {
+                "hf_lossscale": __version__,
+                "torch": torch.__version__,
+                "transformers": transformers.__version__,
+                "accelerate": accelerate.__version__,
+            },
+        }
+
+    # ------------------------------------------------------------------ training
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        self._write_event(
+            {"event": "run_start", "time": time.time(), "resumed": bool(resume_from_checkpoint), **self._run_info()}
+        )
+        try:
+            output = super().train(resume_from_checkpoint, *args, **kwargs)
+        except BaseException as err:
+            # A LossScaleCollapseError (or a crash) is an outcome to report, not to lose.
+            self._write_event(
+                {
+                    "event": "error",
+                    "step": self.state.global_step,
+                    "type": type(err).__name__,
+                    "collapse": isinstance(err, LossScaleCollapseError),
+                    "message": str(err)[:2000],
+                }
+            )
+            raise
+        if self._flush_batch is not None:
+            self._measure_flushed("end")
+        end: dict[str, Any] = {"event": "run_end", "step": self.state.global_step, "time": time.time()}
+        if self.loss_scaler is not None:
+            end.update(self.loss_scaler.stats())
+        self._write_event(end)
+        return output
+
+    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any):
+        if (
+            self._flush_batch is None
+            and self.loss_scaler is not None
+            and getattr(self.args, "loss_scale_measure_flushed", False)
+        ):
+            batch = self._prepare_inputs(dict(inputs))
+            self._flush_batch = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in batch.items()}
+            self._measure_flushed("start")
+        return super().training_step(model, inputs, *args, **kwargs)
+
+    def _measure_flushed(self, when: str) -> dict[str, Any]:
+        """Run `measure_flushed_fraction` on the saved first batch at the scale in force; log it."""
+        kind = getattr(self.accelerator, "hf_lossscale_fp16", "cuda")
+        fp16, policy = {"emulated": ("emulate", "cuda"), "native-cpu": ("native", "cpu")}.get(
+            kind, ("native", "cuda")
+        )
+        scaler = self.loss_scaler
+        scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0
+        model = self.accelerator.unwrap_model(self.model, keep_fp32_wrapper=True)
+        with plain_forward(model):
+            result = measure_flushed_fraction(
+                model,
+                self._flush_batch,
+                fp16=fp16,
+                policy=policy,
+                scale=scale,
+                loss_divisor=self.args.gradient_accumulation_steps,
+                loss_fn=lambda m, b: self.compute_loss(m, b),
+            )
+        result.pop("reference")
+        self._write_event({"event": "flushed_probe", "when": when, "step": self.state.global_step, **result})
+        return result
 
     # ------------------------------------------------------------------ checkpoints
     @property
