@@ -210,13 +210,13 @@ class LossScaleConfig:
         return dataclasses.replace(self, **changes)
 
 
-def read_config_file(path: str | os.PathLike) -> Any:
+def read_config_file(path: str | os.PathLike, what: str = "loss-scale config") -> Any:
     """Parse a YAML or JSON file; errors name the file."""
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as err:
-        raise ValueError(f"Cannot read loss-scale config file {str(path)!r}: {err}") from None
+        raise ValueError(f"Cannot read {what} file {str(path)!r}: {err}") from None
     try:
         if path.suffix == ".json":
             return json.loads(text)
@@ -224,7 +224,7 @@ def read_config_file(path: str | os.PathLike) -> Any:
 
         return yaml.safe_load(text)
     except Exception as err:  # yaml.YAMLError / json.JSONDecodeError
-        raise ValueError(f"Cannot parse loss-scale config file {str(path)!r}: {err}") from None
+        raise ValueError(f"Cannot parse {what} file {str(path)!r}: {err}") from None
 
 
 # ---------------------------------------------------------------------- layered resolution
