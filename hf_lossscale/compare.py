@@ -1,0 +1,501 @@
+"""The comparison runner: one training script, run once per setting and seed with the same data
+order and number of optimizer steps; FP32, FP16 + dynamic scaling, FP16 + a static scale, FP16 with
+scaling off. `hf-lossscale compare SCRIPT [options] -- SCRIPT_ARGS`.
+
+The script is any `HfArgumentParser` script whose trainer uses `LossScaleMixin` (our recipes, or
+yours): each run writes its event log (`loss_scale_log.jsonl`) to its output folder, and this
+module reads it while the run goes (a progress line per step) and after (`summary.md`,
+`metrics.json`, `eval_loss.png`, `loss_scale.png`). Runs are subprocesses, started with
+`accelerate launch` unless `--launcher python`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .events import read_events, read_run_events
+
+__all__ = ["SETTINGS", "RunResult", "run_comparison", "add_compare_arguments", "split_script_args"]
+
+#: setting -> (label, flags it adds to the script's command line)
+SETTINGS: dict[str, str] = {
+    "fp32": "FP32",
+    "dynamic": "FP16 + dynamic scaling",
+    "static": "FP16 + static scale",
+    "off": "FP16, scaling off",
+}
+#: Flags the runner sets itself; a script argument naming one of them is an error.
+OWNED_FLAGS = (
+    "--fp16",
+    "--bf16",
+    "--seed",
+    "--output_dir",
+    "--max_steps",
+    "--logging_steps",
+    "--do_train",
+    "--do_eval",
+    "--loss_scale_mode",
+    "--loss_scale_fp16_on_cpu",
+    "--loss_scale_measure_flushed",
+    "--loss_scale_event_log",
+)
+
+
+def setting_flags(setting: str, static_scale: float, fp16_on_cpu: str) -> list[str]:
+    """The script flags that select one setting."""
+    if setting == "fp32":
+        return []
+    flags = ["--fp16", "--loss_scale_mode", setting, "--loss_scale_fp16_on_cpu", fp16_on_cpu]
+    if setting == "static":
+        flags += ["--loss_scale_init", repr(float(static_scale))]
+        flags += ["--loss_scale_max", repr(max(float(static_scale), 2.0**24))]
+    return flags
+
+
+@dataclass
+class RunResult:
+    """What one run did, read from its event log."""
+
+    setting: str
+    seed: int
+    output_dir: str
+    command: list[str]
+    status: str = "not run"  # "ok", "collapsed" (LossScaleCollapseError), "failed"
+    returncode: int | None = None
+    wall_s: float = 0.0
+    train_runtime_s: float | None = None
+    fp16: str | None = None  # "emulated", "native-cpu", "cuda"; None for FP32
+    steps: list[int] = field(default_factory=list)
+    train_loss: list[float] = field(default_factory=list)
+    loss_scale: list[float | None] = field(default_factory=list)
+    skipped_at: list[int] = field(default_factory=list)
+    evals: list[dict[str, float]] = field(default_factory=list)
+    final_eval: dict[str, float] = field(default_factory=dict)
+    skipped_steps: int | None = None
+    total_steps: int | None = None
+    final_scale: float | None = None
+    flushed_start: dict[str, Any] | None = None
+    flushed_end: dict[str, Any] | None = None
+    error: str | None = None
+
+    @property
+    def eval_loss(self) -> float | None:
+        return self.final_eval.get("eval_loss")
+
+
+def parse_events(result: RunResult, events: list[dict[str, Any]]) -> None:
+    """Fill `result` from a run's events (see `LossScaleMixin`'s event log)."""
+    last_skipped = 0
+    for e in events:
+        kind = e.get("event")
+        if kind == "run_start":
+            result.fp16 = e.get("fp16")
+        elif kind == "log":
+            if "eval_loss" in e:
+                entry = {k: v for k, v in e.items() if k.startswith("eval_") or k == "step"}
+                result.evals.append(entry)
+                result.final_eval = {k: v for k, v in entry.items() if k != "step"}
+            elif "loss" in e:
+                result.steps.append(int(e["step"]))
+                result.train_loss.append(float(e["loss"]))
+                result.loss_scale.append(e.get("loss_scale"))
+                skipped = int(e.get("skipped_steps", 0))
+                if skipped > last_skipped:
+                    result.skipped_at.append(int(e["step"]))
+                last_skipped = skipped
+            if "train_runtime" in e:
+                result.train_runtime_s = float(e["train_runtime"])
+            if "skipped_steps" in e:
+                result.skipped_steps = int(e["skipped_steps"])
+            if "loss_scale" in e:
+                result.final_scale = float(e["loss_scale"])
+        elif kind == "flushed_probe":
+            probe = {k: e[k] for k in ("flushed_fraction", "overflow", "scale", "loss_divisor", "fp16", "policy", "step")}
+            if e.get("when") == "start":
+                result.flushed_start = probe
+            else:
+                result.flushed_end = probe
+        elif kind == "run_end":
+            result.total_steps = e.get("total_steps")
+            if "skipped_steps" in e:
+                result.skipped_steps = int(e["skipped_steps"])
+                result.final_scale = float(e["loss_scale"])
+        elif kind == "error":
+            result.error = f"{e.get('type')} at step {e.get('step')}: {e.get('message', '')}"
+            if e.get("collapse"):
+                result.status = "collapsed"
+
+
+# ---------------------------------------------------------------------- running
+def launch_prefix(launcher: str, launch_config: str | None) -> list[str]:
+    """The command that starts a script: `accelerate launch ...` or the plain interpreter."""
+    if launcher == "python":
+        return [sys.executable]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--mixed_precision", "no"]
+    if launch_config:
+        return [*cmd, "--config_file", launch_config]
+    import torch
+
+    # Without a config, Accelerate gives a CPU-only machine one thread unless told it is a CPU run.
+    cmd += ["--num_processes", "1", "--num_machines", "1", "--dynamo_backend", "no"]
+    return cmd if torch.cuda.is_available() else [*cmd, "--cpu"]
+
+
+def _progress(result: RunResult, event: dict[str, Any], max_steps: int) -> str | None:
+    tag = f"[{result.setting:>7} seed {result.seed}]"
+    if event.get("event") == "log" and "eval_loss" in event:
+        extra = "  ".join(
+            f"{k} {v:.4f}" for k, v in event.items() if k.startswith("eval_") and _is_metric(k, v)
+        )
+        return f"{tag} step {event['step']:>4}/{max_steps}  eval_loss {event['eval_loss']:.4f}  {extra}".rstrip()
+    if event.get("event") == "log" and "loss" in event:
+        line = f"{tag} step {event['step']:>4}/{max_steps}  loss {event['loss']:.4f}"
+        if "loss_scale" in event:
+            line += f"  scale {event['loss_scale']:g}  skipped {event['skipped_steps']}"
+        return line
+    if event.get("event") == "flushed_probe":
+        return f"{tag} flushed to zero ({event['when']}, scale {event['scale']:g}): {_fraction(event)}"
+    if event.get("event") == "error":
+        return f"{tag} {event['type']} at step {event['step']}"
+    return None
+
+
+def _is_metric(name: str, value: Any) -> bool:
+    """An eval figure worth a column: not timings or counts."""
+    skip = ("_runtime", "_per_second", "_preparation_time", "_samples", "eval_loss")
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and not name.endswith(skip)
+
+
+def run_one(
+    script: str, setting: str, seed: int, opts: argparse.Namespace, script_args: list[str], out: Path
+) -> RunResult:
+    run_dir = out / "runs" / f"{setting}-seed{seed}"
+    if run_dir.exists():
+        shutil.rmtree(run_dir)  # the runner owns this folder: a stale log must not mix in
+    run_dir.mkdir(parents=True)
+    flags = [
+        "--output_dir", str(run_dir),
+        "--seed", str(seed),
+        "--max_steps", str(opts.max_steps),
+        "--logging_steps", "1",
+        "--do_train", "--do_eval",
+        *setting_flags(setting, opts.static_scale, opts.fp16_on_cpu),
+    ]  # fmt: skip
+    if setting != "fp32" and opts.flushed_probe:
+        flags.append("--loss_scale_measure_flushed")
+    command = [*launch_prefix(opts.launcher, opts.launch_config), script, *script_args, *flags]
+    result = RunResult(setting=setting, seed=seed, output_dir=str(run_dir), command=command)
+    log_path = run_dir / "run.log"
+    events_path = run_dir / "loss_scale_log.jsonl"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    print(f"[{setting:>7} seed {seed}] {shlex.join(command)}", flush=True)
+    start = time.perf_counter()
+    seen = 0
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        while True:
+            done = proc.poll() is not None
+            events = _read_raw(events_path)
+            for event in events[seen:]:
+                line = _progress(result, event, opts.max_steps)
+                if line:
+                    print(line, flush=True)
+            seen = len(events)
+            if done:
+                break
+            time.sleep(0.5)
+    result.wall_s = time.perf_counter() - start
+    result.returncode = proc.returncode
+    parse_events(result, read_run_events(events_path))
+    if result.status != "collapsed":
+        result.status = "ok" if proc.returncode == 0 and result.eval_loss is not None else "failed"
+    if result.status == "failed":
+        tail = log_path.read_text(errors="replace").strip().splitlines()[-15:]
+        result.error = result.error or "\n".join(tail)
+        print(f"[{setting:>7} seed {seed}] FAILED (exit {proc.returncode}); see {log_path}:", file=sys.stderr)
+        print("\n".join(tail), file=sys.stderr)
+    return result
+
+
+def _read_raw(path: Path) -> list[dict[str, Any]]:
+    return read_events(path) if path.exists() else []
+
+
+# ---------------------------------------------------------------------- summarising
+def _fraction(probe: dict[str, Any] | None) -> str:
+    if probe is None:
+        return "—"
+    if probe["overflow"]:
+        return "overflow (inf/NaN)"
+    return f"{probe['flushed_fraction']:.2%}"
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
+
+
+def summarize(results: list[RunResult], opts: argparse.Namespace) -> dict[str, Any]:
+    """Per-setting aggregates and the statements `summary.md` makes, all from `results`."""
+    by_setting: dict[str, list[RunResult]] = {}
+    for r in results:
+        by_setting.setdefault(r.setting, []).append(r)
+    rows = {}
+    for setting, runs in by_setting.items():
+        losses = [r.eval_loss for r in runs if r.eval_loss is not None]
+        finite = [x for x in losses if math.isfinite(x)]
+        rows[setting] = {
+            "eval_loss": losses,
+            "eval_loss_mean": _mean(finite) if finite and len(finite) == len(runs) else None,
+            "spread": (max(finite) - min(finite)) if len(finite) >= 2 else None,
+            "statuses": [r.status for r in runs],
+        }
+    fp32 = rows.get("fp32")
+    statements = []
+    n_seeds = len(opts.seeds)
+    for setting, row in rows.items():
+        if setting == "fp32" or fp32 is None:
+            continue
+        label = SETTINGS[setting]
+        if fp32["eval_loss_mean"] is None:
+            statements.append(f"{label}: no FP32 baseline to compare with (the FP32 runs failed).")
+            continue
+        if row["eval_loss_mean"] is None:
+            statuses = ", ".join(sorted(set(row["statuses"])))
+            nonfinite = any(x is not None and not math.isfinite(x) for x in row["eval_loss"])
+            what = "diverged (non-finite eval loss)" if nonfinite else f"did not finish every run ({statuses})"
+            statements.append(f"{label}: {what}.")
+            row["verdict"] = "diverged" if nonfinite else "incomplete"
+            continue
+        gap = row["eval_loss_mean"] - fp32["eval_loss_mean"]
+        rel = gap / abs(fp32["eval_loss_mean"])
+        row["gap"], row["relative_gap"] = gap, rel
+        spreads = [s for s in (row["spread"], fp32["spread"]) if s is not None]
+        if n_seeds < 2 or not spreads:
+            noise_text = "run-to-run noise not measured (one seed; pass --seeds 0 1)"
+            verdict = "unknown noise"
+        else:
+            noise = max(spreads)
+            row["noise"] = noise
+            noise_text = f"run-to-run noise (largest seed spread) {noise:.4f}"
+            verdict = "within noise" if abs(gap) <= noise else ("worse than FP32" if gap > 0 else "better than FP32")
+        row["verdict"] = verdict
+        sentence = f"{label}: eval loss {gap:+.4f} ({rel:+.2%}) vs FP32; {noise_text}: **{verdict}**."
+        if setting == "dynamic":
+            within = abs(rel) <= 0.02
+            row["within_2pct"] = within
+            sentence += f" Within 2% of FP32: **{'yes' if within else 'no'}**."
+        statements.append(sentence)
+    for r in results:
+        if r.setting in ("static", "dynamic") and r.status == "collapsed":
+            statements.append(f"{SETTINGS[r.setting]} (seed {r.seed}): **LossScaleCollapseError** — {r.error}")
+        elif r.setting == "static" and r.skipped_steps is not None:
+            statements.append(
+                f"{SETTINGS['static']} {opts.static_scale:g} (seed {r.seed}): skipped {r.skipped_steps} of "
+                f"{r.total_steps or opts.max_steps} optimizer steps."
+            )
+    return {"rows": rows, "statements": statements}
+
+
+def _metric_columns(results: list[RunResult]) -> list[str]:
+    names: list[str] = []
+    for r in results:
+        for k, v in r.final_eval.items():
+            if _is_metric(k, v) and k not in names:
+                names.append(k)
+    return names
+
+
+def write_summary(results: list[RunResult], summary: dict[str, Any], opts: argparse.Namespace, out: Path) -> str:
+    metrics = _metric_columns(results)
+    fp16_kinds = sorted({r.fp16 for r in results if r.fp16})
+    lines = [
+        f"# Loss-scaling comparison: `{Path(opts.script).name}`",
+        "",
+        f"Command: `{opts.command_line}`",
+        "",
+        f"{opts.max_steps} optimizer steps per run; seeds {', '.join(map(str, opts.seeds))} (the same seed gives "
+        "every setting the same data order and initial weights).",
+    ]
+    if "emulated" in fp16_kinds:
+        lines.append(
+            "**FP16 was emulated on the CPU** (`fp16_emulation(policy='cuda')`: FP16 rounding, underflow and "
+            "overflow at FP32 speed); these are not GPU measurements."
+        )
+    elif fp16_kinds:
+        lines.append(f"FP16 ran as: {', '.join(fp16_kinds)}.")
+    lines += [
+        "",
+        "Per seed, values are listed in seed order. *Flushed* = fraction of the non-zero FP32 gradient "
+        "elements that are zero in FP16, on the run's first training batch against an FP32 pass of the "
+        "same batch, at the scale in force at the start / the end of training.",
+        "",
+    ]
+    head = ["Setting", "FP16", "eval loss", *metrics, "skipped steps", "final scale", "flushed (start)",
+            "flushed (end)", "train time (s)", "status"]  # fmt: skip
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for setting in SETTINGS:
+        runs = [r for r in results if r.setting == setting]
+        if not runs:
+            continue
+        label = SETTINGS[setting] + (f" {opts.static_scale:g}" if setting == "static" else "")
+
+        def per_seed(fn, runs=runs):
+            return " / ".join(fn(r) for r in runs)
+
+        cells = [
+            label,
+            per_seed(lambda r: r.fp16 or "—"),
+            per_seed(lambda r: _num(r.eval_loss)),
+            *[per_seed(lambda r, m=m: _num(r.final_eval.get(m))) for m in metrics],
+            per_seed(lambda r: "—" if r.skipped_steps is None else f"{r.skipped_steps}/{r.total_steps or opts.max_steps}"),
+            per_seed(lambda r: "—" if r.final_scale is None else f"{r.final_scale:g}"),
+            per_seed(lambda r: _fraction(r.flushed_start)),
+            per_seed(lambda r: _fraction(r.flushed_end)),
+            per_seed(lambda r: _num(r.train_runtime_s, 1)),
+            per_seed(lambda r: r.status),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "## What the runs show", ""]
+    lines += [f"- {s}" for s in summary["statements"]] or ["- (no FP16 setting to compare)"]
+    lines += ["", "Plots: `eval_loss.png` (eval loss vs step), `loss_scale.png` (scale vs step, skipped steps marked).", ""]
+    text = "\n".join(lines)
+    (out / "summary.md").write_text(text)
+    return text
+
+
+def _num(value: float | None, digits: int = 4) -> str:
+    if value is None:
+        return "—"
+    return f"{value:.{digits}f}" if math.isfinite(value) else str(value)
+
+
+def write_plots(results: list[RunResult], opts: argparse.Namespace, out: Path) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"fp32": "black", "dynamic": "tab:blue", "static": "tab:red", "off": "tab:orange"}
+    written = []
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for r in results:
+        if r.evals:
+            ax.plot(
+                [e["step"] for e in r.evals],
+                [e["eval_loss"] for e in r.evals],
+                marker="o",
+                color=colors[r.setting],
+                linestyle="-" if r.seed == opts.seeds[0] else "--",
+                label=f"{SETTINGS[r.setting]} (seed {r.seed})",
+            )
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("eval loss")
+    ax.set_title("Eval loss per setting")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "eval_loss.png", dpi=110)
+    plt.close(fig)
+    written.append("eval_loss.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for r in results:
+        points = [(s, v) for s, v in zip(r.steps, r.loss_scale, strict=True) if v is not None]
+        if not points:
+            continue
+        steps, scales = zip(*points, strict=True)
+        ax.step(steps, scales, where="post", color=colors[r.setting], label=f"{SETTINGS[r.setting]} (seed {r.seed})")
+        skipped = [(s, v) for s, v in points if s in set(r.skipped_at)]
+        if skipped:
+            ax.scatter(*zip(*skipped, strict=True), marker="x", color=colors[r.setting], zorder=3)
+    ax.set_yscale("log", base=2)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss scale (x = skipped step)")
+    ax.set_title("Loss scale per step")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "loss_scale.png", dpi=110)
+    plt.close(fig)
+    written.append("loss_scale.png")
+    return written
+
+
+# ---------------------------------------------------------------------- entry point
+def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("script", help="A training script that uses LossScaleTrainer (e.g. recipes/language_modeling.py).")
+    parser.add_argument("--settings", default=",".join(SETTINGS), help=f"Comma-separated, from {list(SETTINGS)}.")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="One run per setting and seed.")
+    parser.add_argument("--max_steps", type=int, default=40, help="Optimizer steps per run (the same for all).")
+    parser.add_argument("--output_dir", default="compare_out", help="Where summary.md, metrics.json and plots go.")
+    parser.add_argument("--static_scale", type=float, default=2.0**24, help="The static setting's scale.")
+    parser.add_argument("--fp16_on_cpu", choices=["emulate", "native"], default="emulate",
+                        help="FP16 on a CPU: emulated (default, FP32 speed) or native autocast (~20x slower).")  # fmt: skip
+    parser.add_argument("--launcher", choices=["accelerate", "python"], default="accelerate",
+                        help="Start each run with `accelerate launch` (default) or the plain interpreter.")  # fmt: skip
+    parser.add_argument("--launch_config", default=None, help="An `accelerate launch --config_file` YAML.")
+    parser.add_argument("--no_flushed_probe", dest="flushed_probe", action="store_false",
+                        help="Skip the flushed-fraction measurement of each FP16 run.")  # fmt: skip
+
+
+def validate(opts: argparse.Namespace) -> None:
+    settings = [s.strip() for s in opts.settings.split(",") if s.strip()]
+    unknown = [s for s in settings if s not in SETTINGS]
+    if unknown or not settings:
+        raise SystemExit(f"--settings {opts.settings!r}: unknown {unknown}; choose from {list(SETTINGS)}.")
+    opts.settings = settings
+    opts.script_args = list(getattr(opts, "script_args", []))
+    owned = sorted({a.split("=", 1)[0] for a in opts.script_args if a.split("=", 1)[0] in OWNED_FLAGS})
+    if owned:
+        raise SystemExit(f"Script arguments {owned} are set by the runner per setting; use the runner's options instead.")
+    if opts.max_steps < 1:
+        raise SystemExit(f"--max_steps must be at least 1, got {opts.max_steps}.")
+    if not opts.static_scale > 0 or not math.isfinite(opts.static_scale):
+        raise SystemExit(f"--static_scale must be a positive finite number, got {opts.static_scale}.")
+    if not Path(opts.script).is_file():
+        raise SystemExit(f"No script {opts.script!r}.")
+    if len(set(opts.seeds)) != len(opts.seeds):
+        raise SystemExit(f"--seeds {opts.seeds} repeats a seed.")
+
+
+def run_comparison(opts: argparse.Namespace) -> tuple[list[RunResult], dict[str, Any]]:
+    """Run every setting and seed, then write summary.md, metrics.json and the plots."""
+    validate(opts)
+    out = Path(opts.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    opts.command_line = getattr(opts, "command_line", None) or "hf_lossscale.compare.run_comparison(...)"
+    results = []
+    for seed in opts.seeds:
+        for setting in opts.settings:
+            results.append(run_one(opts.script, setting, seed, opts, opts.script_args, out))
+    summary = summarize(results, opts)
+    text = write_summary(results, summary, opts, out)
+    plots = write_plots(results, opts, out)
+    payload = {
+        "command": opts.command_line,
+        "options": {k: v for k, v in vars(opts).items() if k != "command_line"},
+        "runs": [asdict(r) for r in results],
+        "summary": summary,
+        "plots": plots,
+    }
+    (out / "metrics.json").write_text(json.dumps(payload, indent=2, default=str))
+    print(text)
+    print(f"Wrote {out / 'summary.md'}, {out / 'metrics.json'}, " + ", ".join(str(out / p) for p in plots))
+    return results, summary
+
+
+def split_script_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """`[runner options] -- [script flags]` -> the two lists."""
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1 :]
+    return argv, []
