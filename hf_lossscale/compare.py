@@ -121,7 +121,10 @@ def parse_events(result: RunResult, events: list[dict[str, Any]]) -> None:
             if "loss_scale" in e:
                 result.final_scale = float(e["loss_scale"])
         elif kind == "flushed_probe":
-            probe = {k: e[k] for k in ("flushed_fraction", "overflow", "scale", "loss_divisor", "fp16", "policy", "step")}
+            probe = {
+                k: e[k]
+                for k in ("flushed_fraction", "overflow", "scale", "loss_divisor", "fp16", "policy", "step")
+            }
             if e.get("when") == "start":
                 result.flushed_start = probe
             else:
@@ -158,14 +161,18 @@ def _progress(result: RunResult, event: dict[str, Any], max_steps: int) -> str |
         extra = "  ".join(
             f"{k} {v:.4f}" for k, v in event.items() if k.startswith("eval_") and _is_metric(k, v)
         )
-        return f"{tag} step {event['step']:>4}/{max_steps}  eval_loss {event['eval_loss']:.4f}  {extra}".rstrip()
+        return (
+            f"{tag} step {event['step']:>4}/{max_steps}  eval_loss {event['eval_loss']:.4f}  {extra}".rstrip()
+        )
     if event.get("event") == "log" and "loss" in event:
         line = f"{tag} step {event['step']:>4}/{max_steps}  loss {event['loss']:.4f}"
         if "loss_scale" in event:
-            line += f"  scale {event['loss_scale']:g}  skipped {event['skipped_steps']}"
+            line += f"  scale {scale_text(event['loss_scale'])}  skipped {event['skipped_steps']}"
         return line
     if event.get("event") == "flushed_probe":
-        return f"{tag} flushed to zero ({event['when']}, scale {event['scale']:g}): {_fraction(event)}"
+        return (
+            f"{tag} flushed to zero ({event['when']}, scale {scale_text(event['scale'])}): {_fraction(event)}"
+        )
     if event.get("event") == "error":
         return f"{tag} {event['type']} at step {event['step']}"
     return None
@@ -273,7 +280,9 @@ def summarize(results: list[RunResult], opts: argparse.Namespace) -> dict[str, A
         if row["eval_loss_mean"] is None:
             statuses = ", ".join(sorted(set(row["statuses"])))
             nonfinite = any(x is not None and not math.isfinite(x) for x in row["eval_loss"])
-            what = "diverged (non-finite eval loss)" if nonfinite else f"did not finish every run ({statuses})"
+            what = (
+                "diverged (non-finite eval loss)" if nonfinite else f"did not finish every run ({statuses})"
+            )
             statements.append(f"{label}: {what}.")
             row["verdict"] = "diverged" if nonfinite else "incomplete"
             continue
@@ -288,9 +297,22 @@ def summarize(results: list[RunResult], opts: argparse.Namespace) -> dict[str, A
             noise = max(spreads)
             row["noise"] = noise
             noise_text = f"run-to-run noise (largest seed spread) {noise:.4f}"
-            verdict = "within noise" if abs(gap) <= noise else ("worse than FP32" if gap > 0 else "better than FP32")
+            verdict = (
+                "within noise"
+                if abs(gap) <= noise
+                else ("worse than FP32" if gap > 0 else "better than FP32")
+            )
         row["verdict"] = verdict
         sentence = f"{label}: eval loss {gap:+.4f} ({rel:+.2%}) vs FP32; {noise_text}: **{verdict}**."
+        paired = _paired_gaps(by_setting[setting], by_setting["fp32"])
+        if len(paired) >= 2:
+            # Same seed = same data order and initial weights: the paired gap removes that noise.
+            row["paired_gaps"] = paired
+            same_sign = all(g > 0 for g in paired) or all(g < 0 for g in paired)
+            sentence += (
+                f" Paired by seed: {', '.join(f'{g:+.4f}' for g in paired)} "
+                f"({'the same sign in every seed' if same_sign else 'signs differ between seeds'})."
+            )
         if setting == "dynamic":
             within = abs(rel) <= 0.02
             row["within_2pct"] = within
@@ -298,13 +320,25 @@ def summarize(results: list[RunResult], opts: argparse.Namespace) -> dict[str, A
         statements.append(sentence)
     for r in results:
         if r.setting in ("static", "dynamic") and r.status == "collapsed":
-            statements.append(f"{SETTINGS[r.setting]} (seed {r.seed}): **LossScaleCollapseError** — {r.error}")
+            statements.append(
+                f"{SETTINGS[r.setting]} (seed {r.seed}): **LossScaleCollapseError** — {r.error}"
+            )
         elif r.setting == "static" and r.skipped_steps is not None:
             statements.append(
-                f"{SETTINGS['static']} {opts.static_scale:g} (seed {r.seed}): skipped {r.skipped_steps} of "
+                f"{SETTINGS['static']} {scale_text(opts.static_scale)} (seed {r.seed}): skipped {r.skipped_steps} of "
                 f"{r.total_steps or opts.max_steps} optimizer steps."
             )
     return {"rows": rows, "statements": statements}
+
+
+def _paired_gaps(runs: list[RunResult], baseline: list[RunResult]) -> list[float]:
+    """`eval_loss - FP32 eval_loss` for each seed both settings finished."""
+    base = {r.seed: r.eval_loss for r in baseline if r.eval_loss is not None and math.isfinite(r.eval_loss)}
+    return [
+        r.eval_loss - base[r.seed]
+        for r in runs
+        if r.seed in base and r.eval_loss is not None and math.isfinite(r.eval_loss)
+    ]
 
 
 def _metric_columns(results: list[RunResult]) -> list[str]:
@@ -316,7 +350,9 @@ def _metric_columns(results: list[RunResult]) -> list[str]:
     return names
 
 
-def write_summary(results: list[RunResult], summary: dict[str, Any], opts: argparse.Namespace, out: Path) -> str:
+def write_summary(
+    results: list[RunResult], summary: dict[str, Any], opts: argparse.Namespace, out: Path
+) -> str:
     metrics = _metric_columns(results)
     fp16_kinds = sorted({r.fp16 for r in results if r.fp16})
     lines = [
@@ -325,7 +361,12 @@ def write_summary(results: list[RunResult], summary: dict[str, Any], opts: argpa
         f"Command: `{opts.command_line}`",
         "",
         f"{opts.max_steps} optimizer steps per run; seeds {', '.join(map(str, opts.seeds))} (the same seed gives "
-        "every setting the same data order and initial weights).",
+        "every setting the same data order and initial weights)"
+        + (
+            f"; {', '.join(SETTINGS[x] for x in opts.first_seed_only)} ran with seed {opts.seeds[0]} only."
+            if getattr(opts, "first_seed_only", None)
+            else "."
+        ),
     ]
     if "emulated" in fp16_kinds:
         lines.append(
@@ -348,7 +389,7 @@ def write_summary(results: list[RunResult], summary: dict[str, Any], opts: argpa
         runs = [r for r in results if r.setting == setting]
         if not runs:
             continue
-        label = SETTINGS[setting] + (f" {opts.static_scale:g}" if setting == "static" else "")
+        label = SETTINGS[setting] + (f" {scale_text(opts.static_scale)}" if setting == "static" else "")
 
         def per_seed(fn, runs=runs):
             return " / ".join(fn(r) for r in runs)
@@ -358,8 +399,12 @@ def write_summary(results: list[RunResult], summary: dict[str, Any], opts: argpa
             per_seed(lambda r: r.fp16 or "—"),
             per_seed(lambda r: _num(r.eval_loss)),
             *[per_seed(lambda r, m=m: _num(r.final_eval.get(m))) for m in metrics],
-            per_seed(lambda r: "—" if r.skipped_steps is None else f"{r.skipped_steps}/{r.total_steps or opts.max_steps}"),
-            per_seed(lambda r: "—" if r.final_scale is None else f"{r.final_scale:g}"),
+            per_seed(
+                lambda r: (
+                    "—" if r.skipped_steps is None else f"{r.skipped_steps}/{r.total_steps or opts.max_steps}"
+                )
+            ),
+            per_seed(lambda r: scale_text(r.final_scale)),
             per_seed(lambda r: _fraction(r.flushed_start)),
             per_seed(lambda r: _fraction(r.flushed_end)),
             per_seed(lambda r: _num(r.train_runtime_s, 1)),
@@ -368,10 +413,23 @@ def write_summary(results: list[RunResult], summary: dict[str, Any], opts: argpa
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", "## What the runs show", ""]
     lines += [f"- {s}" for s in summary["statements"]] or ["- (no FP16 setting to compare)"]
-    lines += ["", "Plots: `eval_loss.png` (eval loss vs step), `loss_scale.png` (scale vs step, skipped steps marked).", ""]
+    lines += [
+        "",
+        "Plots: `eval_loss.png` (eval loss vs step), `loss_scale.png` (scale vs step, skipped steps marked).",
+        "",
+    ]
     text = "\n".join(lines)
     (out / "summary.md").write_text(text)
     return text
+
+
+def scale_text(scale: float | None) -> str:
+    """A loss scale as `2^k` when it is a power of two (they usually are), else as a number."""
+    if scale is None:
+        return "—"
+    if scale > 0 and math.isfinite(scale) and math.log2(scale).is_integer():
+        return f"2^{int(math.log2(scale))}"
+    return f"{scale:g}"
 
 
 def _num(value: float | None, digits: int = 4) -> str:
@@ -389,7 +447,7 @@ def write_plots(results: list[RunResult], opts: argparse.Namespace, out: Path) -
     colors = {"fp32": "black", "dynamic": "tab:blue", "static": "tab:red", "off": "tab:orange"}
     written = []
     fig, ax = plt.subplots(figsize=(7, 4.2))
-    for r in results:
+    for r in sorted(results, key=lambda r: r.setting != "fp32"):  # FP32 first, wide, underneath
         if r.evals:
             ax.plot(
                 [e["step"] for e in r.evals],
@@ -397,6 +455,8 @@ def write_plots(results: list[RunResult], opts: argparse.Namespace, out: Path) -
                 marker="o",
                 color=colors[r.setting],
                 linestyle="-" if r.seed == opts.seeds[0] else "--",
+                linewidth=4 if r.setting == "fp32" else 1.5,
+                alpha=0.45 if r.setting == "fp32" else 1.0,
                 label=f"{SETTINGS[r.setting]} (seed {r.seed})",
             )
     ax.set_xlabel("optimizer step")
@@ -414,7 +474,13 @@ def write_plots(results: list[RunResult], opts: argparse.Namespace, out: Path) -
         if not points:
             continue
         steps, scales = zip(*points, strict=True)
-        ax.step(steps, scales, where="post", color=colors[r.setting], label=f"{SETTINGS[r.setting]} (seed {r.seed})")
+        ax.step(
+            steps,
+            scales,
+            where="post",
+            color=colors[r.setting],
+            label=f"{SETTINGS[r.setting]} (seed {r.seed})",
+        )
         skipped = [(s, v) for s, v in points if s in set(r.skipped_at)]
         if skipped:
             ax.scatter(*zip(*skipped, strict=True), marker="x", color=colors[r.setting], zorder=3)
@@ -432,17 +498,28 @@ def write_plots(results: list[RunResult], opts: argparse.Namespace, out: Path) -
 
 # ---------------------------------------------------------------------- entry point
 def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("script", help="A training script that uses LossScaleTrainer (e.g. recipes/language_modeling.py).")
-    parser.add_argument("--settings", default=",".join(SETTINGS), help=f"Comma-separated, from {list(SETTINGS)}.")
+    parser.add_argument(
+        "script", help="A training script that uses LossScaleTrainer (e.g. recipes/language_modeling.py)."
+    )
+    parser.add_argument(
+        "--settings", default=",".join(SETTINGS), help=f"Comma-separated, from {list(SETTINGS)}."
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="One run per setting and seed.")
-    parser.add_argument("--max_steps", type=int, default=40, help="Optimizer steps per run (the same for all).")
-    parser.add_argument("--output_dir", default="compare_out", help="Where summary.md, metrics.json and plots go.")
+    parser.add_argument(
+        "--max_steps", type=int, default=40, help="Optimizer steps per run (the same for all)."
+    )
+    parser.add_argument(
+        "--output_dir", default="compare_out", help="Where summary.md, metrics.json and plots go."
+    )
     parser.add_argument("--static_scale", type=float, default=2.0**24, help="The static setting's scale.")
     parser.add_argument("--fp16_on_cpu", choices=["emulate", "native"], default="emulate",
                         help="FP16 on a CPU: emulated (default, FP32 speed) or native autocast (~20x slower).")  # fmt: skip
     parser.add_argument("--launcher", choices=["accelerate", "python"], default="accelerate",
                         help="Start each run with `accelerate launch` (default) or the plain interpreter.")  # fmt: skip
     parser.add_argument("--launch_config", default=None, help="An `accelerate launch --config_file` YAML.")
+    parser.add_argument("--first_seed_only", default="",
+                        help="Comma-separated settings run with the first seed only (e.g. 'static', whose "
+                        "overflow storm needs no noise estimate).")  # fmt: skip
     parser.add_argument("--no_flushed_probe", dest="flushed_probe", action="store_false",
                         help="Skip the flushed-fraction measurement of each FP16 run.")  # fmt: skip
 
@@ -453,10 +530,16 @@ def validate(opts: argparse.Namespace) -> None:
     if unknown or not settings:
         raise SystemExit(f"--settings {opts.settings!r}: unknown {unknown}; choose from {list(SETTINGS)}.")
     opts.settings = settings
+    first_only = [s.strip() for s in (getattr(opts, "first_seed_only", "") or "").split(",") if s.strip()]
+    if any(s not in settings for s in first_only):
+        raise SystemExit(f"--first_seed_only {first_only}: each must be one of --settings {settings}.")
+    opts.first_seed_only = first_only
     opts.script_args = list(getattr(opts, "script_args", []))
     owned = sorted({a.split("=", 1)[0] for a in opts.script_args if a.split("=", 1)[0] in OWNED_FLAGS})
     if owned:
-        raise SystemExit(f"Script arguments {owned} are set by the runner per setting; use the runner's options instead.")
+        raise SystemExit(
+            f"Script arguments {owned} are set by the runner per setting; use the runner's options instead."
+        )
     if opts.max_steps < 1:
         raise SystemExit(f"--max_steps must be at least 1, got {opts.max_steps}.")
     if not opts.static_scale > 0 or not math.isfinite(opts.static_scale):
@@ -476,7 +559,8 @@ def run_comparison(opts: argparse.Namespace) -> tuple[list[RunResult], dict[str,
     results = []
     for seed in opts.seeds:
         for setting in opts.settings:
-            results.append(run_one(opts.script, setting, seed, opts, opts.script_args, out))
+            if seed == opts.seeds[0] or setting not in opts.first_seed_only:
+                results.append(run_one(opts.script, setting, seed, opts, opts.script_args, out))
     summary = summarize(results, opts)
     text = write_summary(results, summary, opts, out)
     plots = write_plots(results, opts, out)

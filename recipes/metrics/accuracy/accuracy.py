@@ -27,7 +27,9 @@ class Accuracy(evaluate.Metric):
             features=datasets.Features(
                 {"predictions": datasets.Value("int32"), "references": datasets.Value("int32")}
             ),
-            reference_urls=["https://scikit-learn.org/stable/modules/generated/sklearn.metrics.accuracy_score.html"],
+            reference_urls=[
+                "https://scikit-learn.org/stable/modules/generated/sklearn.metrics.accuracy_score.html"
+            ],
         )
 
     def _compute(self, predictions, references, normalize=True, sample_weight=None):

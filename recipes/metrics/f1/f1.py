@@ -29,11 +29,20 @@ class F1(evaluate.Metric):
             features=datasets.Features(
                 {"predictions": datasets.Value("int32"), "references": datasets.Value("int32")}
             ),
-            reference_urls=["https://scikit-learn.org/stable/modules/generated/sklearn.metrics.f1_score.html"],
+            reference_urls=[
+                "https://scikit-learn.org/stable/modules/generated/sklearn.metrics.f1_score.html"
+            ],
         )
 
-    def _compute(self, predictions, references, labels=None, pos_label=1, average="binary", sample_weight=None):
+    def _compute(
+        self, predictions, references, labels=None, pos_label=1, average="binary", sample_weight=None
+    ):
         score = f1_score(
-            references, predictions, labels=labels, pos_label=pos_label, average=average, sample_weight=sample_weight
+            references,
+            predictions,
+            labels=labels,
+            pos_label=pos_label,
+            average=average,
+            sample_weight=sample_weight,
         )
         return {"f1": float(score) if getattr(score, "size", 1) == 1 else score}

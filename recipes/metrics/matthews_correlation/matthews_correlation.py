@@ -27,8 +27,14 @@ class MatthewsCorrelation(evaluate.Metric):
             features=datasets.Features(
                 {"predictions": datasets.Value("int32"), "references": datasets.Value("int32")}
             ),
-            reference_urls=["https://scikit-learn.org/stable/modules/generated/sklearn.metrics.matthews_corrcoef.html"],
+            reference_urls=[
+                "https://scikit-learn.org/stable/modules/generated/sklearn.metrics.matthews_corrcoef.html"
+            ],
         )
 
     def _compute(self, predictions, references, sample_weight=None):
-        return {"matthews_correlation": float(matthews_corrcoef(references, predictions, sample_weight=sample_weight))}
+        return {
+            "matthews_correlation": float(
+                matthews_corrcoef(references, predictions, sample_weight=sample_weight)
+            )
+        }

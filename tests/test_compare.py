@@ -1,0 +1,163 @@
+"""The comparison runner: its statements from synthetic results, and end to end on a tiny model."""
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import pytest
+from tiny_models import save_tiny_bert
+
+from hf_lossscale.compare import SETTINGS, RunResult, scale_text, setting_flags, summarize, validate
+from hf_lossscale.events import read_run_events
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def result(setting, seed, loss, status="ok", **kw):
+    r = RunResult(setting=setting, seed=seed, output_dir="", command=[], status=status, **kw)
+    if loss is not None:
+        r.final_eval = {"eval_loss": loss}
+    return r
+
+
+def opts(seeds=(0, 1), **kw):
+    return argparse.Namespace(seeds=list(seeds), static_scale=2.0**24, max_steps=10, **kw)
+
+
+def test_statements_compare_gaps_with_seed_noise():
+    results = [
+        result("fp32", 0, 6.00), result("fp32", 1, 6.02),
+        result("dynamic", 0, 6.01), result("dynamic", 1, 6.03),
+        result("off", 0, 6.20), result("off", 1, 6.25),
+        result("static", 0, 10.5, skipped_steps=10, total_steps=10), result("static", 1, 10.5, skipped_steps=9),
+    ]  # fmt: skip
+    summary = summarize(results, opts())
+    rows, text = summary["rows"], "\n".join(summary["statements"])
+    assert rows["dynamic"]["verdict"] == "within noise" and rows["dynamic"]["within_2pct"] is True
+    assert rows["dynamic"]["gap"] == pytest.approx(0.01) and rows["dynamic"]["noise"] == pytest.approx(0.02)
+    assert rows["off"]["verdict"] == "worse than FP32" and rows["off"]["noise"] == pytest.approx(0.05)
+    assert "skipped 10 of 10 optimizer steps" in text and "skipped 9 of 10" in text
+
+
+def test_statements_with_one_seed_say_noise_is_unmeasured():
+    summary = summarize([result("fp32", 0, 6.0), result("off", 0, 6.5)], opts(seeds=[0]))
+    assert summary["rows"]["off"]["verdict"] == "unknown noise"
+    assert "noise not measured" in summary["statements"][0]
+
+
+def test_divergence_and_collapse_are_reported_as_such():
+    results = [
+        result("fp32", 0, 6.0),
+        result("off", 0, float("nan")),
+        result("static", 0, None, status="collapsed", error="LossScaleCollapseError at step 100: ..."),
+        result("dynamic", 0, 6.5),
+    ]
+    summary = summarize(results, opts(seeds=[0]))
+    text = "\n".join(summary["statements"])
+    assert summary["rows"]["off"]["verdict"] == "diverged"
+    assert "LossScaleCollapseError" in text and summary["rows"]["static"]["verdict"] == "incomplete"
+    assert summary["rows"]["dynamic"]["within_2pct"] is False  # 8% worse: said plainly
+
+
+def test_runner_refuses_flags_it_owns_and_bad_options(tmp_path):
+    script = tmp_path / "s.py"
+    script.write_text("")
+    base = dict(script=str(script), settings="fp32,off", seeds=[0], max_steps=2, static_scale=2.0**24)
+    validate(argparse.Namespace(**base, script_args=["--learning_rate", "1e-4"]))
+    for bad, match in [
+        (dict(script_args=["--fp16"]), r"\['--fp16'\] are set by the runner"),
+        (dict(script_args=["--seed=3"]), r"\['--seed'\]"),
+        (dict(script_args=[], settings="fp32,bf16"), r"unknown \['bf16'\]"),
+        (dict(script_args=[], max_steps=0), "at least 1"),
+        (dict(script_args=[], static_scale=float("inf")), "positive finite"),
+        (dict(script_args=[], script=str(tmp_path / "nope.py")), "No script"),
+        (dict(script_args=[], seeds=[1, 1]), "repeats"),
+    ]:
+        with pytest.raises(SystemExit, match=match):
+            validate(argparse.Namespace(**{**base, **bad}))
+
+
+def test_scale_text():
+    assert [scale_text(x) for x in (2.0**24, 1.0, 0.5, 3.0, None)] == ["2^24", "2^0", "2^-1", "3", "—"]
+
+
+def test_setting_flags():
+    assert setting_flags("fp32", 2.0**24, "emulate") == []
+    static = setting_flags("static", 2.0**30, "native")
+    assert static[static.index("--loss_scale_init") + 1] == repr(2.0**30)
+    assert static[static.index("--loss_scale_max") + 1] == repr(2.0**30)
+    assert "--loss_scale_fp16_on_cpu" in static and "native" in static
+
+
+def test_compare_end_to_end_tiny(tmp_path, capsys):
+    """Every setting under `accelerate launch`, on a tiny BERT with MiniLM's tokenizer: the files
+    the runner writes, and that the table's numbers are the runs' own."""
+    from hf_lossscale.cli import main
+
+    model = save_tiny_bert(tmp_path / "model")
+    text = tmp_path / "text.txt"
+    words = "the loss scale keeps small gradients alive in half precision".split()
+    text.write_text("\n".join(" ".join(words[i:] + words[:i]) for i in range(len(words))) * 6)
+    out = tmp_path / "cmp"
+    code = main([
+        "compare", str(ROOT / "recipes" / "language_modeling.py"), "--max_steps", "3", "--output_dir", str(out),
+        "--", "--model_name_or_path", str(model), "--objective", "clm", "--train_file", str(text),
+        "--block_size", "32", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
+        "--eval_strategy", "steps", "--eval_steps", "2", "--max_eval_samples", "4", "--report_to", "none",
+        "--save_strategy", "no", "--disable_tqdm", "true", "--learning_rate", "1e-3",
+    ])  # fmt: skip
+    assert code == 0
+    progress = capsys.readouterr().out
+    for setting in SETTINGS:
+        assert re.search(rf"\[\s*{setting} seed 0\] step\s+3/3  loss", progress), setting
+
+    summary = (out / "summary.md").read_text()
+    payload = json.loads((out / "metrics.json").read_text())
+    for name in ("eval_loss.png", "loss_scale.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "FP16 was emulated on the CPU" in summary
+
+    table = {}
+    for line in summary.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("| ") and cells[0] != "Setting":
+            table[cells[0]] = cells
+    head = [c.strip() for c in summary.split("| Setting |")[1].splitlines()[0].strip("|").split("|")]
+    head = ["Setting", *head]
+    for setting, label in SETTINGS.items():
+        row = next(cells for name, cells in table.items() if name.startswith(label))
+        cell = dict(zip(head, row, strict=True))
+        run = read_run_events(out / "runs" / f"{setting}-seed0" / "loss_scale_log.jsonl")
+        final_eval = [e for e in run if e["event"] == "log" and "eval_loss" in e][-1]
+        assert cell["eval loss"] == f"{final_eval['eval_loss']:.4f}"
+        assert cell["status"] == "ok"
+        recorded = next(r for r in payload["runs"] if r["setting"] == setting)
+        assert recorded["final_eval"]["eval_loss"] == final_eval["eval_loss"]
+        if setting == "fp32":
+            assert cell["FP16"] == "—" and cell["skipped steps"] == "—"
+            continue
+        end = next(e for e in run if e["event"] == "run_end")
+        assert cell["skipped steps"] == f"{end['skipped_steps']}/{end['total_steps']}"
+        assert cell["final scale"] == scale_text(end["loss_scale"])
+        probe = next(e for e in run if e["event"] == "flushed_probe" and e["when"] == "start")
+        expected = "overflow (inf/NaN)" if probe["overflow"] else f"{probe['flushed_fraction']:.2%}"
+        assert cell["flushed (start)"] == expected
+    static_end = next(
+        e
+        for e in read_run_events(out / "runs" / "static-seed0" / "loss_scale_log.jsonl")
+        if e["event"] == "run_end"
+    )
+    assert static_end["skipped_steps"] > 0  # 2^24 overflows FP16: the storm the setting is there to show
+    assert "FP16 + static scale 2^24 (seed 0): skipped" in summary
+
+
+def test_paired_gaps_by_seed():
+    results = [
+        result("fp32", 0, 6.00), result("fp32", 1, 6.10),
+        result("off", 0, 6.02), result("off", 1, 6.13),
+    ]  # fmt: skip
+    summary = summarize(results, opts())
+    assert summary["rows"]["off"]["verdict"] == "within noise"  # 0.025 gap < 0.11 seed spread
+    assert summary["rows"]["off"]["paired_gaps"] == pytest.approx([0.02, 0.03])
+    assert "the same sign in every seed" in summary["statements"][0]

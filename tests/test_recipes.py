@@ -1,0 +1,206 @@
+"""The recipes: --help, --config files, column detection, and short real runs offline."""
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from tiny_models import minilm_path, save_tiny_bert
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT.parent / "shared" / "data"
+RECIPES = ["text_classification", "language_modeling"]
+
+
+def load_recipe(name):
+    spec = importlib.util.spec_from_file_location(f"recipe_{name}", ROOT / "recipes" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses resolve their annotations through sys.modules
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return save_tiny_bert(tmp_path_factory.mktemp("tiny-bert"))
+
+
+def shared(*parts):
+    path = DATA.joinpath(*parts)
+    if not path.exists():
+        pytest.fail(
+            f"{path} is missing: the tests read ../shared/data beside the repository (see its README)."
+        )
+    return str(path)
+
+
+@pytest.mark.parametrize("name", RECIPES)
+def test_help_lists_every_flag(name, capsys):
+    from hf_lossscale.trainer import ARG_TO_FIELD
+
+    module = load_recipe(name)
+    with pytest.raises(SystemExit) as exit_info:
+        module.main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert "accelerate launch" in text  # the docstring with the exact command
+    for flag in ["--config", "--model_name_or_path", "--train_file", "--dataset_name", "--loss_scale_measure_flushed",
+                 *(f"--{a}" for a in ARG_TO_FIELD)]:  # fmt: skip
+        assert flag in text, flag
+
+
+def test_compare_entry_points_help(capsys):
+    from hf_lossscale.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["compare", "--help"])
+    assert exit_info.value.code == 0
+    assert "--static_scale" in capsys.readouterr().out
+    spec = importlib.util.spec_from_file_location("recipe_compare", ROOT / "recipes" / "compare.py")
+    assert spec is not None and (ROOT / "recipes" / "compare.py").read_text().count("hf_lossscale.cli") == 1
+
+
+def test_config_file_sets_defaults_and_flags_win(tmp_path):
+    from hf_lossscale import LossScaleTrainingArguments
+    from hf_lossscale.recipe_args import make_parser, parse_args
+
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        "output_dir: out\nmax_steps: 7\nfp16: true\nloss_scale_mode: static\nloss_scale_init: 1024\n"
+    )
+    (args,) = parse_args(
+        make_parser(LossScaleTrainingArguments), ["--config", str(config), "--max_steps", "9"]
+    )
+    assert (args.max_steps, args.fp16, args.loss_scale_mode, args.loss_scale_init) == (
+        9,
+        True,
+        "static",
+        1024.0,
+    )
+
+
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        ("max_stepz: 7\n", r"unknown keys \['max_stepz'\]"),
+        ("- a\n- b\n", "must hold a mapping"),
+        ("max_steps: abc\n", r"max_steps='abc'"),
+        ("max_steps: 2.5\n", "not an integer"),
+        ("learning_rate: [1]\n", "not a number"),
+        ("objective: xlm\n", r"objective='xlm' is not one of \['mlm', 'clm'\]"),
+        ("loss_scale_mode: fast\n", "loss_scale_mode"),
+        ("max_steps: [\n", "Cannot parse recipe config file"),
+    ],
+)
+def test_config_file_errors_name_the_problem(tmp_path, text, match):
+    module = load_recipe("language_modeling")
+    config = tmp_path / "bad.yaml"
+    config.write_text(text)
+    with pytest.raises(ValueError, match=match):
+        module.main(["--config", str(config), "--model_name_or_path", "m", "--train_file", "t.txt"])
+
+
+def test_unreadable_config_file_is_named(tmp_path):
+    module = load_recipe("text_classification")
+    with pytest.raises(ValueError, match="Cannot read recipe config file .*missing.yaml"):
+        module.main(["--config", str(tmp_path / "missing.yaml")])
+
+
+def test_text_columns_as_run_glue_picks_them():
+    from datasets import Dataset
+
+    module = load_recipe("text_classification")
+    args = module.DataTrainingArguments(train_file="x.csv")
+    pair = Dataset.from_dict({"idx": [0], "sentence1": ["a"], "sentence2": ["b"], "label": [1]})
+    assert module.text_columns(args, pair) == ("sentence1", "sentence2")
+    single = Dataset.from_dict({"idx": [0], "sentence": ["a"], "label": [1]})
+    assert module.text_columns(args, single) == ("sentence", None)
+    two_texts = Dataset.from_dict({"title": ["t"], "body": ["b"], "label": [1]})
+    with pytest.raises(ValueError, match="--text_column_names"):
+        module.text_columns(args, two_texts)
+    args.text_column_names = "title,body"
+    assert module.text_columns(args, two_texts) == ("title", "body")
+    args.text_column_names = "title,nope"
+    with pytest.raises(ValueError, match="missing"):
+        module.text_columns(args, two_texts)
+    glue = module.DataTrainingArguments(dataset_name="nyu-mll/glue", dataset_config_name="qnli")
+    assert module.text_columns(glue, pair) == ("question", "sentence")
+
+
+def events(output_dir):
+    from hf_lossscale.events import read_run_events
+
+    return read_run_events(Path(output_dir) / "loss_scale_log.jsonl")
+
+
+def test_text_classification_sst2_real_minilm(tmp_path):
+    """The real pretrained MiniLM on real SST-2 rows, FP16 emulated, offline metric modules."""
+    module = load_recipe("text_classification")
+    out = tmp_path / "sst2"
+    metrics = module.main([
+        "--do_train", "--do_eval",
+        "--model_name_or_path", minilm_path(),
+        "--train_file", shared("sst2", "train.tsv"), "--validation_file", shared("sst2", "validation.tsv"),
+        "--max_train_samples", "32", "--max_eval_samples", "16", "--max_seq_length", "32",
+        "--output_dir", str(out), "--fp16", "--max_steps", "2", "--per_device_train_batch_size", "8",
+        "--report_to", "none", "--save_strategy", "no", "--logging_steps", "1", "--disable_tqdm", "true",
+        "--loss_scale_init", "1024",
+    ])  # fmt: skip
+    assert 0.0 <= metrics["eval_accuracy"] <= 1.0 and metrics["eval_samples"] == 16
+    assert json.loads((out / "eval_results.json").read_text())["eval_accuracy"] == metrics["eval_accuracy"]
+    run = events(out)
+    assert run[0]["fp16"] == "emulated" and run[0]["loss_scale_config"]["init_scale"] == 1024.0
+    assert sum(e.get("event") == "log" and "loss" in e for e in run) == 2
+
+
+def test_text_classification_pairs_and_f1(tmp_path, tiny_model):
+    rows = [("a good film", "it was good", 1), ("a bad film", "it was awful", 0)] * 8
+    for split in ("train", "validation"):
+        (tmp_path / f"{split}.csv").write_text(
+            "sentence1,sentence2,label\n" + "".join(f"{a},{b},{c}\n" for a, b, c in rows)
+        )
+    module = load_recipe("text_classification")
+    metrics = module.main([
+        "--do_train", "--do_eval", "--model_name_or_path", tiny_model,
+        "--train_file", str(tmp_path / "train.csv"), "--validation_file", str(tmp_path / "validation.csv"),
+        "--metric_names", "accuracy,f1,matthews_correlation",
+        "--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--per_device_train_batch_size", "4",
+        "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true",
+    ])  # fmt: skip
+    assert {"eval_accuracy", "eval_f1", "eval_matthews_correlation"} <= set(metrics)
+
+
+@pytest.mark.parametrize("objective", ["mlm", "clm"])
+def test_language_modeling_runs_and_reports_perplexity(tmp_path, tiny_model, objective):
+    module = load_recipe("language_modeling")
+    out = tmp_path / objective
+    metrics = module.main([
+        "--do_train", "--do_eval", "--model_name_or_path", tiny_model, "--objective", objective,
+        "--train_file", shared("wikitext2", "valid.txt"), "--validation_file", shared("wikitext2", "test.txt"),
+        "--block_size", "32", "--max_train_samples", "64", "--max_eval_samples", "8",
+        "--output_dir", str(out), "--fp16", "--max_steps", "3", "--per_device_train_batch_size", "2",
+        "--gradient_accumulation_steps", "2", "--report_to", "none", "--save_strategy", "no",
+        "--logging_steps", "1", "--disable_tqdm", "true", "--loss_scale_measure_flushed",
+    ])  # fmt: skip
+    assert metrics["perplexity"] == pytest.approx(2.718281828 ** metrics["eval_loss"], rel=1e-6)
+    probes = [e for e in events(out) if e["event"] == "flushed_probe"]
+    assert [p["when"] for p in probes] == ["start", "end"] and probes[0]["loss_divisor"] == 2
+    from transformers import AutoConfig
+
+    assert AutoConfig.from_pretrained(out).is_decoder is (objective == "clm")
+
+
+def test_mlm_evaluation_masks_the_same_tokens_every_time(tmp_path, tiny_model):
+    from datasets import Dataset
+    from transformers import AutoTokenizer, DataCollatorForLanguageModeling
+
+    module = load_recipe("language_modeling")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model)
+    blocks = Dataset.from_dict({"input_ids": [list(range(1000, 1032))] * 8})
+    collator = DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.3)
+    a = module.mask_once(blocks, collator, seed=3)
+    b = module.mask_once(blocks, collator, seed=3)
+    assert a["labels"] == b["labels"] and any(x != -100 for row in a["labels"] for x in row)
+    batch = module._EvalFixedMasking(collator)([a[0], a[1]])
+    assert batch["labels"].tolist() == [a[0]["labels"], a[1]["labels"]]
