@@ -318,6 +318,9 @@ def summarize(results: list[RunResult], opts: argparse.Namespace) -> dict[str, A
             row["within_2pct"] = within
             sentence += f" Within 2% of FP32: **{'yes' if within else 'no'}**."
         statements.append(sentence)
+    off = rows.get("off")
+    if off is not None and "verdict" in off:
+        statements.append(_failure_mode(off, [r for r in results if r.setting == "off"]))
     for r in results:
         if r.setting in ("static", "dynamic") and r.status == "collapsed":
             statements.append(
@@ -329,6 +332,31 @@ def summarize(results: list[RunResult], opts: argparse.Namespace) -> dict[str, A
                 f"{r.total_steps or opts.max_steps} optimizer steps."
             )
     return {"rows": rows, "statements": statements}
+
+
+def _failure_mode(row: dict[str, Any], runs: list[RunResult]) -> str:
+    """Say plainly what FP16 without loss scaling did: blow up, slow training, or nothing measurable."""
+    flushed = [
+        r.flushed_end["flushed_fraction"] for r in runs if r.flushed_end and not r.flushed_end["overflow"]
+    ]
+    lost = (
+        f" while flushing {min(flushed):.0%}-{max(flushed):.0%} of gradient elements to zero by the end"
+        if flushed
+        else ""
+    )
+    verdict = row["verdict"]
+    if verdict == "diverged":
+        return "Without loss scaling, training **blew up** (non-finite loss)."
+    if verdict == "incomplete":
+        return "Without loss scaling, not every run finished; see the status column."
+    if verdict == "worse than FP32":
+        return f"Without loss scaling, training **slowed** (eval loss worse than FP32 beyond noise){lost}; it did not diverge."
+    if verdict == "within noise":
+        return (
+            f"Without loss scaling, the eval-loss gap stayed **within run-to-run noise** in {len(runs)} run(s){lost}; "
+            "it did not diverge."
+        )
+    return f"Without loss scaling, the runs finished with a finite loss{lost}; with one seed the noise is unknown."
 
 
 def _paired_gaps(runs: list[RunResult], baseline: list[RunResult]) -> list[float]:

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hf_lossscale.demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--output_dir", default="runs/demo")
-    parser.add_argument("--max_steps", type=int, default=10)
+    parser.add_argument("--max_steps", type=int, default=8)
     parser.add_argument("--gradient_accumulation_steps", type=int, default=16)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--recipe", default=str(RECIPE), help="The recipe to run (default: ours).")

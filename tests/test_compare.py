@@ -37,6 +37,7 @@ def test_statements_compare_gaps_with_seed_noise():
     assert rows["dynamic"]["verdict"] == "within noise" and rows["dynamic"]["within_2pct"] is True
     assert rows["dynamic"]["gap"] == pytest.approx(0.01) and rows["dynamic"]["noise"] == pytest.approx(0.02)
     assert rows["off"]["verdict"] == "worse than FP32" and rows["off"]["noise"] == pytest.approx(0.05)
+    assert "training **slowed**" in text and "did not diverge" in text
     assert "skipped 10 of 10 optimizer steps" in text and "skipped 9 of 10" in text
 
 
@@ -55,7 +56,7 @@ def test_divergence_and_collapse_are_reported_as_such():
     ]
     summary = summarize(results, opts(seeds=[0]))
     text = "\n".join(summary["statements"])
-    assert summary["rows"]["off"]["verdict"] == "diverged"
+    assert summary["rows"]["off"]["verdict"] == "diverged" and "**blew up**" in text
     assert "LossScaleCollapseError" in text and summary["rows"]["static"]["verdict"] == "incomplete"
     assert summary["rows"]["dynamic"]["within_2pct"] is False  # 8% worse: said plainly
 
@@ -161,3 +162,4 @@ def test_paired_gaps_by_seed():
     assert summary["rows"]["off"]["verdict"] == "within noise"  # 0.025 gap < 0.11 seed spread
     assert summary["rows"]["off"]["paired_gaps"] == pytest.approx([0.02, 0.03])
     assert "the same sign in every seed" in summary["statements"][0]
+    assert "stayed **within run-to-run noise** in 2 run(s)" in summary["statements"][1]
