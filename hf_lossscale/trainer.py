@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -11,7 +12,7 @@ from typing import Any
 
 import torch
 from transformers import Trainer, TrainingArguments
-from transformers.trainer import SCALER_NAME
+from transformers.trainer import SCALER_NAME, TRAINER_STATE_NAME
 
 from .accelerate_hook import effective_mixed_precision, install_loss_scaler, plain_forward
 from .config import LossScaleConfig, resolve_config
@@ -140,6 +141,49 @@ class LossScaleTrainingArguments(TrainingArguments):
         return out
 
 
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def _checkpoint_problem(path: str, step: int) -> str | None:
+    """Why `path` is not a complete Trainer checkpoint, or None. The Trainer writes
+    `trainer_state.json` last, so a checkpoint cut short by a crash lacks it or holds a partial one."""
+    state_file = os.path.join(path, TRAINER_STATE_NAME)
+    try:
+        with open(state_file, encoding="utf-8") as f:
+            state = json.load(f)
+    except FileNotFoundError:
+        return f"no {TRAINER_STATE_NAME} (written last: the save was cut short)"
+    except (OSError, ValueError) as err:
+        return f"unreadable {TRAINER_STATE_NAME}: {err}"
+    if not isinstance(state, dict) or state.get("global_step") != step:
+        return f"{TRAINER_STATE_NAME} does not describe step {step}"
+    return None
+
+
+def last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
+    """The highest-numbered complete `checkpoint-N` in `output_dir`, or None.
+
+    `transformers.trainer_utils.get_last_checkpoint` takes the highest number whether or not its
+    save finished; this skips (with a warning naming it, and without deleting anything) any
+    checkpoint whose `trainer_state.json`, the file the Trainer writes last, is missing or broken.
+    """
+    if not os.path.isdir(output_dir):
+        return None
+    found = sorted(
+        ((int(m.group(1)), name) for name in os.listdir(output_dir) if (m := _CHECKPOINT.match(name))),
+        reverse=True,
+    )
+    for step, name in found:
+        path = os.path.join(output_dir, name)
+        if not os.path.isdir(path):
+            continue
+        problem = _checkpoint_problem(path, step)
+        if problem is None:
+            return path
+        warnings.warn(f"Skipping incomplete checkpoint {path}: {problem}.", stacklevel=2)
+    return None
+
+
 class LossScaleMixin:
     """Put a `DynamicLossScaler` in charge of any `Trainer` subclass's FP16 training.
 
@@ -249,6 +293,12 @@ class LossScaleMixin:
 
     # ------------------------------------------------------------------ training
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """`Trainer.train`; `resume_from_checkpoint=True` resumes from the last *complete* checkpoint
+        (see `last_complete_checkpoint`), not merely the highest-numbered one."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"No complete checkpoint found in output_dir {self.args.output_dir!r}.")
         self._write_event(
             {
                 "event": "run_start",
