@@ -8,7 +8,7 @@ import math
 import pytest
 
 from hf_lossscale import DynamicLossScaler, LossScaleConfig, LossScaleTrainingArguments
-from hf_lossscale.config import config_from_env, resolve_config
+from hf_lossscale.config import resolve_config
 
 # (field, bad value, what the message must say about the allowed values)
 FIELDS = [
@@ -24,7 +24,7 @@ FIELDS = [
     ("growth_interval", 0, ">= 1"), ("growth_interval", -3, ">= 1"), ("growth_interval", 2.5, "integer"),
     ("growth_interval", True, "integer"), ("growth_interval", "10", "integer"),
     ("hysteresis", 0, ">= 1"), ("hysteresis", "2", "integer"), ("hysteresis", 1.0, "integer"),
-    ("consecutive_hysteresis", "yes", "bool"), ("consecutive_hysteresis", 1, "bool"),
+    ("consecutive_hysteresis", "yes", "True or False"), ("consecutive_hysteresis", 1, "True or False"),
     ("max_consecutive_skips", 0, ">= 1"), ("max_consecutive_skips", 1.5, "integer"),
     ("max_consecutive_skips", -1, ">= 1"),
     ("fp16_on_cpu", "fast", "one of"), ("fp16_on_cpu", None, "one of"),
@@ -130,13 +130,9 @@ ENV = [
 def test_environment_variable(var, value):
     with pytest.raises(ValueError) as err:
         resolve_config(None, None, {var: value})
-    assert var in str(err.value) or var.removeprefix("HF_LOSSSCALE_").lower() in str(err.value)
+    assert var in str(err.value)  # the variable itself is named, with the field's allowed values
     if var in ("HF_LOSSSCALE_INIT", "HF_LOSSSCALE_MINSCALE"):  # unknown names list the known ones
         assert "HF_LOSSSCALE_INIT_SCALE" in str(err.value)
-    with pytest.raises(ValueError):
-        config_from_env({var: value}) if var not in ("HF_LOSSSCALE_INIT", "HF_LOSSSCALE_MINSCALE") else resolve_config(
-            None, None, {var: value}
-        )
 
 
 GOOD_STATE = DynamicLossScaler().state_dict()

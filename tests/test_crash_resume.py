@@ -24,7 +24,11 @@ SLOW_KILLS = ["step:1", "step:9", "save-model:2", "save-scaler:4", "save-state:6
 def run(output_dir, *extra, check=True):
     env = {**os.environ, "PYTHONWARNINGS": "default"}
     proc = subprocess.run(
-        [sys.executable, str(SCRIPT), str(output_dir), *extra], capture_output=True, text=True, env=env, timeout=300
+        [sys.executable, str(SCRIPT), str(output_dir), *extra],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
     )
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
@@ -57,11 +61,16 @@ def crash_and_resume(tmp_path, baseline, kill=None, external_after_step=None):
     if kill is not None:
         proc = run(out, "--kill", kill, check=False)
     else:
-        proc = subprocess.Popen([sys.executable, str(SCRIPT), str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        proc = subprocess.Popen(
+            [sys.executable, str(SCRIPT), str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+        )
         log = out / "loss_scale_log.jsonl"
         deadline = time.time() + 240
         while time.time() < deadline and proc.poll() is None:
-            if log.exists() and sum('"loss":' in line for line in log.read_text().splitlines()) >= external_after_step:
+            if (
+                log.exists()
+                and sum('"loss":' in line for line in log.read_text().splitlines()) >= external_after_step
+            ):
                 break
             time.sleep(0.02)
         proc.send_signal(signal.SIGKILL)
@@ -71,7 +80,9 @@ def crash_and_resume(tmp_path, baseline, kill=None, external_after_step=None):
     weights, history = baseline
     final = load_file(out / "final" / "model.safetensors")
     assert final.keys() == weights.keys()
-    assert all(torch.equal(final[k], weights[k]) for k in weights), "weights differ from the uninterrupted run"
+    assert all(torch.equal(final[k], weights[k]) for k in weights), (
+        "weights differ from the uninterrupted run"
+    )
     assert scale_history(out) == history
     return out, resumed
 

@@ -40,12 +40,16 @@ def run(n, config, seed=0):
     "config",
     [
         LossScaleConfig(growth_interval=50, hysteresis=2, min_scale=2.0**4, max_scale=2.0**20),
-        LossScaleConfig(growth_interval=1, hysteresis=1, consecutive_hysteresis=True, max_consecutive_skips=None),
+        LossScaleConfig(
+            growth_interval=1, hysteresis=1, consecutive_hysteresis=True, max_consecutive_skips=None
+        ),
         LossScaleConfig(mode="static", init_scale=2.0**10),
     ],
     ids=["dynamic", "grow-every-step", "static"],
 )
-@pytest.mark.parametrize("n", [pytest.param(20_000, id="2e4"), pytest.param(1_000_000, id="1e6", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "n", [pytest.param(20_000, id="2e4"), pytest.param(1_000_000, id="1e6", marks=pytest.mark.slow)]
+)
 def test_state_stays_exact(config, n):
     scaler, reference = run(n, config)
     stats = scaler.stats()
