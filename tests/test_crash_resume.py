@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 
 SCRIPT = Path(__file__).parent / "scripts" / "crash_train.py"
 CI_KILLS = ["step:5", "save-model:6", "save-scaler:8", "save-state:10"]
-SLOW_KILLS = ["step:1", "step:9", "save-model:2", "save-scaler:4", "save-state:6", "save-state:12"]
+# every kill point has a complete checkpoint before it (checkpoint-2 onwards) to resume from
+SLOW_KILLS = ["step:3", "step:9", "step:12", "save-model:4", "save-scaler:4", "save-state:6", "save-state:12"]
 
 
 def run(output_dir, *extra, check=True):
@@ -104,7 +105,7 @@ def test_killed_run_resumes_bitwise_more_points(tmp_path, baseline, kill):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("after", random.Random(0).sample(range(2, 12), 4))
+@pytest.mark.parametrize("after", random.Random(0).sample(range(4, 12), 4))
 def test_external_sigkill_at_random_step_resumes_bitwise(tmp_path, baseline, after):
     crash_and_resume(tmp_path, baseline, external_after_step=after)
 
