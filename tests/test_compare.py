@@ -171,7 +171,11 @@ def test_demo_command_is_offline_and_real(tmp_path):
     from hf_lossscale.demo import build_command, main
 
     opts = argparse.Namespace(
-        output_dir=str(tmp_path), max_steps=8, gradient_accumulation_steps=16, seeds=[0, 1], recipe="recipes/lm.py"
+        output_dir=str(tmp_path),
+        max_steps=8,
+        gradient_accumulation_steps=16,
+        seeds=[0, 1],
+        recipe="recipes/lm.py",
     )
     command = build_command(opts, [])
     train = Path(command[command.index("--train_file") + 1]).read_text()
