@@ -1,5 +1,10 @@
-"""`hf-lossscale`: the command line. `hf-lossscale compare SCRIPT [options] -- SCRIPT_ARGS` runs the
-FP32 / FP16 + dynamic / static / off comparison (see `hf_lossscale.compare`)."""
+"""`hf-lossscale`: the command line.
+
+- `hf-lossscale compare SCRIPT [options] -- SCRIPT_ARGS`: the FP32 / FP16 + dynamic / static / off
+  comparison (`hf_lossscale.compare`).
+- `hf-lossscale report RUN_DIR`: plots and a summary of a run's `loss_scale_log.jsonl`.
+- `hf-lossscale advise --model_name_or_path M --train_file F`: measure gradients, recommend a scale.
+"""
 
 from __future__ import annotations
 
@@ -21,6 +26,24 @@ def make_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_compare_arguments(compare)
+
+    from .report import __doc__ as report_doc
+    from .report import add_report_arguments
+
+    report = commands.add_parser(
+        "report", help="Plots and a Markdown summary of a run's loss-scale log.", description=report_doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    add_report_arguments(report)
+
+    from .advise import __doc__ as advise_doc
+    from .advise import add_advise_arguments
+
+    advise = commands.add_parser(
+        "advise", help="Measure gradients in a few FP32 steps and recommend a loss scale.", description=advise_doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    add_advise_arguments(advise)
     return parser
 
 
@@ -37,6 +60,17 @@ def main(argv: list[str] | None = None) -> int:
         opts.command_line = shlex.join(["hf-lossscale", *argv])
         results, _ = run_comparison(opts)
         return 1 if any(r.status == "failed" for r in results) else 0
+    if opts.command == "report":
+        from .report import make_report
+
+        result = make_report(opts.run_dir, opts.output_dir)
+        print(f"Wrote {', '.join(result['written'])} to {result['output_dir']}")
+        return 0
+    if opts.command == "advise":
+        from .advise import run
+
+        run(opts)
+        return 0
     raise AssertionError(opts.command)
 
 

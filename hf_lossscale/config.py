@@ -57,6 +57,9 @@ class LossScaleConfig:
             the scale grows (Megatron's rule).
         max_consecutive_skips (`int` or `None`, *optional*, defaults to `100`):
             raise `LossScaleCollapseError` after this many skipped steps in a row; `None` disables.
+        telemetry_interval (`int`, *optional*, defaults to 100):
+            every this many optimizer steps, histogram the scaled gradients' binary exponents on
+            the device (see `hf_lossscale.telemetry`; read only at log steps). 0 disables it.
         fp16_on_cpu (`str`, *optional*, defaults to `"emulate"`):
             how an FP16 run on a CPU computes: `"emulate"` (FP16 numerics at FP32 speed, see
             `fp16_emulation`) or `"native"` (real `torch.autocast("cpu", float16)`, ~20x slower).
@@ -93,6 +96,12 @@ class LossScaleConfig:
     max_consecutive_skips: int | None = field(
         default=100,
         metadata={"help": "Raise LossScaleCollapseError after this many skips in a row (None: never)."},
+    )
+    telemetry_interval: int = field(
+        default=100,
+        metadata={
+            "help": "Gradient exponent histograms (FP16 number line) every N optimizer steps (0: off)."
+        },
     )
 
     fp16_on_cpu: str = field(
@@ -139,6 +148,11 @@ class LossScaleConfig:
             raise ValueError(
                 f"LossScaleConfig.max_consecutive_skips={mcs!r} must be an integer >= 1, "
                 "or None to disable the collapse check."
+            )
+        ti = self.telemetry_interval
+        if not _is_int(ti) or ti < 0:
+            raise ValueError(
+                f"LossScaleConfig.telemetry_interval={ti!r} must be an integer >= 0 (0 disables)."
             )
         if not isinstance(self.fp16_on_cpu, str) or self.fp16_on_cpu not in FP16_ON_CPU:
             raise ValueError(f"LossScaleConfig.fp16_on_cpu={self.fp16_on_cpu!r} is not one of {FP16_ON_CPU}.")

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .config import LossScaleConfig
+from .telemetry import GradientTelemetry
 
 __all__ = ["DynamicLossScaler", "LossScaleCollapseError", "OptState"]
 
@@ -122,6 +123,9 @@ class DynamicLossScaler:
         self._known_consecutive = 0  # last value read from the host copy
         #: Names of the parameters whose gradients were non-finite at the last recorded skip.
         self.overflow_params: list[str] = []
+        #: Exponent histograms of the scaled gradients every `config.telemetry_interval` iterations.
+        self.telemetry = GradientTelemetry(config.telemetry_interval)
+        self._iteration = 0  # host-side count of update() calls: decides telemetry without a sync
 
     # ------------------------------------------------------------------ config access
     @property
@@ -259,6 +263,8 @@ class DynamicLossScaler:
         """Unscale in place and fill one found-inf flag per device (no host sync)."""
         found: dict[torch.device, torch.Tensor] = {}
         inv: dict[torch.device, torch.Tensor] = {}
+        if self.telemetry.due(self._iteration):  # the scaled gradients, before unscaling
+            self.telemetry.observe(self._named_grads(optimizer), self._iteration)
         with torch.no_grad():
             for device, per_dtype in self._grads_by_device_and_dtype(optimizer).items():
                 if device not in found:
@@ -366,6 +372,8 @@ class DynamicLossScaler:
             if not self.is_enabled():
                 return
             self._require_init("update")
+        self.telemetry.end_iteration(self._iteration)
+        self._iteration += 1
         if new_scale is not None:
             self._set_scale(new_scale)
             self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
@@ -459,6 +467,12 @@ class DynamicLossScaler:
                 if p is param:
                     return f"param_groups[{g}].params[{i}] (shape {tuple(p.shape)})"
         return f"<parameter shape {tuple(param.shape)}>"
+
+    def _named_grads(self, optimizer: torch.optim.Optimizer):
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is not None and not param.grad.is_sparse:
+                    yield self._name_of(param, optimizer), param.grad
 
     def _record_overflow_params(self, optimizer: torch.optim.Optimizer) -> None:
         """Name the parameters whose gradients are non-finite (one host sync; skipped steps only)."""
@@ -614,6 +628,7 @@ class DynamicLossScaler:
         if state["_hysteresis_tracker"] is None or state["_hysteresis_tracker"] > c.hysteresis:
             state["_hysteresis_tracker"] = c.hysteresis
         self._init_state = state
+        self._iteration = state["total_steps"]  # telemetry keeps its cadence across a resume
         if self._scale is not None:
             self._lazy_init(self._scale.device)
         self._known_consecutive = state["consecutive_skips"]

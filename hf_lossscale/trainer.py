@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import time
@@ -11,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer import SCALER_NAME, TRAINER_STATE_NAME
 
 from .accelerate_hook import effective_mixed_precision, install_loss_scaler, plain_forward
@@ -19,6 +20,7 @@ from .config import LossScaleConfig, resolve_config
 from .emulation import measure_flushed_fraction
 from .events import EVENT_LOG_NAME
 from .scaler import DynamicLossScaler, LossScaleCollapseError
+from .telemetry import ActivationGradientProbe, module_key
 
 __all__ = [
     "LossScaleTrainingArguments",
@@ -41,7 +43,10 @@ ARG_TO_FIELD = {
     "loss_scale_consecutive_hysteresis": "consecutive_hysteresis",
     "loss_scale_max_consecutive_skips": "max_consecutive_skips",
     "loss_scale_fp16_on_cpu": "fp16_on_cpu",
+    "loss_scale_telemetry_interval": "telemetry_interval",
 }
+
+logger = logging.getLogger(__name__)
 
 _FRESH_HINT = (
     "To start a fresh loss scaler on purpose (initial scale, counters at zero), pass "
@@ -94,6 +99,20 @@ class LossScaleTrainingArguments(TrainingArguments):
         default=None,
         metadata={
             "help": "FP16 on a CPU: 'emulate' (default; FP16 numerics at FP32 speed) or 'native' (~20x slower)."
+        },
+    )
+    loss_scale_telemetry_interval: int | None = field(
+        default=None,
+        metadata={
+            "help": "Gradient exponent histograms every N optimizer steps, logged as grad_zero_frac, "
+            "grad_subnormal_frac, headroom_bits (default 100; 0 disables)."
+        },
+    )
+    loss_scale_activation_probe: bool = field(
+        default=False,
+        metadata={
+            "help": "Also histogram the activation gradients at module boundaries (sampled) on telemetry "
+            "steps, where FP16 underflow happens; logged as act_grad_lost_frac."
         },
     )
     loss_scale_fresh_on_resume: bool = field(
@@ -217,7 +236,11 @@ class LossScaleMixin:
         self.loss_scaler: DynamicLossScaler | None = None
         self._last_logged_counts = (0, 0)
         self._flush_batch: dict[str, Any] | None = None
+        self._act_probe: ActivationGradientProbe | None = None
+        self._loss_nonfinite: torch.Tensor | None = None  # any non-finite loss in this window (device)
+        self._overflow_diagnoses = 0
         super().__init__(*args, **kwargs)
+        self.add_callback(_OverflowDiagnosis(self))
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
@@ -246,8 +269,23 @@ class LossScaleMixin:
             # 1.0 when FP16 was emulated on the CPU: such figures are not GPU measurements.
             logs["fp16_emulated"] = float(getattr(self.accelerator, "hf_lossscale_fp16", "") == "emulated")
             self._last_logged_counts = (stats["total_steps"], stats["skipped_steps"])
+            telemetry = self.loss_scaler.telemetry.read(only_new=True)
+            if telemetry is not None:
+                logs["grad_zero_frac"] = telemetry["zero_frac"]
+                logs["grad_subnormal_frac"] = telemetry["subnormal_frac"]
+                logs["headroom_bits"] = telemetry["headroom_bits"]
+            probe = self._act_probe.read() if self._act_probe is not None and self._act_probe.counts else None
+            if probe is not None:
+                logs["act_grad_lost_frac"] = probe["lost_frac"]
         super().log(logs, *args, **kwargs)
         self._write_event({"event": "log", **self.state.log_history[-1]})
+        if self.loss_scaler is not None:
+            if telemetry is not None:
+                self._write_event({"event": "telemetry", "step": self.state.global_step, "source": "param_grads",
+                                   "scale_step": telemetry["step"], **telemetry})  # fmt: skip
+            if probe is not None:
+                self._write_event({"event": "telemetry", "step": self.state.global_step, "source": "activation_grads",
+                                   **probe})  # fmt: skip
 
     # ------------------------------------------------------------------ event log
     def _event_log_path(self) -> str | None:
@@ -330,15 +368,62 @@ class LossScaleMixin:
         return output
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any):
+        scaler = self.loss_scaler
+        if scaler is not None and getattr(self.args, "loss_scale_activation_probe", False):
+            if self._act_probe is None:
+                self._act_probe = ActivationGradientProbe(self.accelerator.unwrap_model(self.model))
+            self._act_probe.active = scaler.telemetry.due(scaler._iteration)
         if (
             self._flush_batch is None
-            and self.loss_scaler is not None
+            and scaler is not None
             and getattr(self.args, "loss_scale_measure_flushed", False)
         ):
             batch = self._prepare_inputs(dict(inputs))
             self._flush_batch = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in batch.items()}
             self._measure_flushed("start")
-        return super().training_step(model, inputs, *args, **kwargs)
+        loss = super().training_step(model, inputs, *args, **kwargs)
+        if scaler is not None and scaler.is_enabled():
+            bad = ~torch.isfinite(loss.detach())  # a device flag, read only on a skipped step
+            self._loss_nonfinite = bad if self._loss_nonfinite is None else self._loss_nonfinite | bad
+        return loss
+
+    #: Skipped steps per run that get an `overflow` event (names of the non-finite gradients).
+    max_overflow_diagnoses = 5
+
+    def _diagnose_overflow(self) -> None:
+        scaler, flag = self.loss_scaler, self._loss_nonfinite
+        self._loss_nonfinite = None
+        if (
+            scaler is None
+            or not scaler.is_enabled()
+            or self._overflow_diagnoses >= self.max_overflow_diagnoses
+        ):
+            return
+        # The Trainer reads this flag right after, for the LR scheduler: no extra sync per step.
+        if not self.accelerator.optimizer_step_was_skipped:
+            return
+        self._overflow_diagnoses += 1
+        model = self.accelerator.unwrap_model(self.model)
+        named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+        with torch.no_grad():
+            bad = torch.stack([~torch.isfinite(g).all() for _, g in named]).tolist() if named else []
+        params = [n for (n, _), b in zip(named, bad, strict=True) if b]
+        event = {
+            "event": "overflow",
+            "step": self.state.global_step + 1,  # the optimizer step being skipped
+            "loss_scale_after": scaler.get_scale(),
+            "loss_nonfinite": bool(flag.item()) if flag is not None else None,
+            "modules": sorted({module_key(n) for n in params}),
+            "params": params[:20],
+            "n_params": len(params),
+        }
+        self._write_event(event)
+        logger.warning(
+            "hf_lossscale: step %d skipped: non-finite gradients in %s%s",
+            event["step"],
+            ", ".join(event["modules"][:5]) or "(none found: a fused kernel may have consumed them)",
+            "; the loss itself was non-finite" if event["loss_nonfinite"] else "",
+        )
 
     def _measure_flushed(self, when: str) -> dict[str, Any]:
         """Run `measure_flushed_fraction` on the saved first batch at the scale in force; log it."""
@@ -395,6 +480,18 @@ class LossScaleMixin:
             warnings.warn(f"{problem} Starting a fresh loss scaler, as requested.", stacklevel=3)
             return
         raise RuntimeError(f"{problem} {_FRESH_HINT}")
+
+
+class _OverflowDiagnosis(TrainerCallback):
+    """After each optimizer step, while the gradients still exist: on a skipped step (the first
+    `LossScaleMixin.max_overflow_diagnoses` of a run), name the parameters and modules whose
+    gradients were non-finite and whether the loss itself already was."""
+
+    def __init__(self, trainer: LossScaleMixin) -> None:
+        self.trainer = trainer
+
+    def on_optimizer_step(self, args, state, control, **kwargs):
+        self.trainer._diagnose_overflow()
 
 
 class LossScaleTrainer(LossScaleMixin, Trainer):
