@@ -183,7 +183,7 @@ def format_advice(r: dict[str, Any]) -> str:
         f"{r['param_lost_at_recommended']:.2%} at 2^{k}.",
         "",
         "Most affected modules at scale 1 (activation gradients, sampled):",
-        "| module | max |grad| | lost at 1 | lost at 2^%d |" % k,
+        f"| module | max abs grad | lost at 1 | lost at 2^{k} |",
         "|---|---|---|---|",
     ]
     for name, m in list(r["per_module"].items())[:8]:
