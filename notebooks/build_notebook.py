@@ -116,7 +116,7 @@ runs = {
     "/16, static 2^24": train(LossScaleConfig(mode="static", init_scale=2.0 ** 24, max_consecutive_skips=None), 16),
     "/16, static 2^10": train(LossScaleConfig(mode="static", init_scale=2.0 ** 10), 16),
 }
-for label, (losses, scales, stats, flushed) in runs.items():
+for label, (losses, _, stats, flushed) in runs.items():
     lost = "overflow" if flushed["overflow"] else f"{flushed['flushed_fraction']:.1%} flushed"
     print(f"{label:>18}: loss {losses[0]:.2f} -> {losses[-1]:.2f}; skipped {stats['skipped_steps']}/30; {lost}")
     plt.plot(losses, label=label)
