@@ -1,0 +1,32 @@
+"""Smoke tests: every benchmark script runs at a tiny size, so none can rot."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+def load(name):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_telemetry_overhead_smoke(tmp_path):
+    out = tmp_path / "t.json"
+    result = load("telemetry_overhead").main(["--tiny", "--repeats", "2", "--output", str(out)])
+    assert json.loads(out.read_text())["snapshot_median_s"] == result["snapshot_median_s"] > 0
+    assert result["overhead_at_interval"]["100"] == pytest.approx(result["snapshot_over_step"] / 100)
+
+
+def test_fp16_emulation_speed_smoke(tmp_path):
+    out = tmp_path / "e.json"
+    result = load("fp16_emulation_speed").main(
+        ["--tiny", "--repeats", "1", "--batch", "2", "--seq", "8", "--out", str(out)]
+    )
+    assert json.loads(out.read_text())["emulated_over_fp32"] == result["emulated_over_fp32"] > 0
