@@ -4,7 +4,7 @@ PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 TORCH ?= torch==2.13.0
 
-.PHONY: install install-dev demo test test-slow quality format
+.PHONY: install install-dev demo test test-slow bench quality format
 
 install:
 	$(PIP) install -q $(TORCH)
@@ -22,6 +22,13 @@ test: install-dev
 
 test-slow: install-dev
 	$(PYTHON) -m pytest -q -m slow
+
+# Benchmarks (a few minutes on 2 CPU cores); results in benchmarks/results/*.json, see benchmarks/README.md.
+bench: install-dev
+	$(PYTHON) benchmarks/step_overhead.py
+	$(PYTHON) benchmarks/telemetry_overhead.py
+	$(PYTHON) benchmarks/fp16_emulation_speed.py --head mlm --out benchmarks/results/fp16_emulation_speed_mlm.json
+	$(PYTHON) benchmarks/fp16_emulation_speed.py --head cls --out benchmarks/results/fp16_emulation_speed_cls.json
 
 quality:
 	$(PYTHON) -m ruff check .

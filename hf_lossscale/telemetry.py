@@ -48,41 +48,59 @@ def bucket_index(exponent: int) -> int:
 _CHUNK = 2**24  # float32 counts are exact up to 2^24: histc runs in chunks no larger
 
 
-def _bucket_indices(x: torch.Tensor) -> torch.Tensor:
-    """Bucket index of every element of a float32 tensor, read from its IEEE-754 bits (int32)."""
-    bits = x.view(torch.int32)
-    biased = (bits >> 23) & 0xFF  # 0: zero or FP32-subnormal; 255: inf/NaN
-    idx = (biased - 127).clamp_(MIN_EXP - 1, MAX_EXP + 1).add_(2 - MIN_EXP)
-    idx = torch.where(biased == 255, _NONFINITE, idx)
-    return torch.where((bits & 0x7FFFFFFF) == 0, _ZERO, idx)
+def _fold_table() -> torch.Tensor:
+    """FP32 biased exponent (0..255) -> bucket. 0 (zero or an FP32 subnormal) goes to `<2^-24`;
+    zeros are moved to `zero` by a separate count."""
+    table = []
+    for biased in range(256):
+        if biased == 255:
+            table.append(_NONFINITE)
+        elif biased == 0:
+            table.append(_BELOW)
+        else:
+            table.append(bucket_index(biased - 127))
+    return torch.tensor(table, dtype=torch.int64)
+
+
+_FOLD = _fold_table()
 
 
 def bucket_counts(tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """Histogram of `tensor`'s elements over `BUCKETS` (int64, on the tensor's device), added to
-    `out` if given. No host synchronisation (on CUDA it uses `histc` with fixed bounds rather
-    than `bincount`, which reads the maximum back to the host)."""
+    `out` if given. It histograms the 8-bit FP32 exponent field (256 bins), folds it into the
+    buckets and counts zeros separately: no host synchronisation (on CUDA `histc` with fixed bounds,
+    not `bincount`, which reads the maximum back to the host)."""
     x = tensor.detach().reshape(-1)
-    x = x if x.dtype == torch.float32 else x.float()
+    x = (x if x.dtype == torch.float32 else x.float()).contiguous()
     if out is None:
         out = torch.zeros(N_BUCKETS, dtype=torch.int64, device=x.device)
-    idx = _bucket_indices(x.contiguous())
-    if idx.device.type == "cpu":
-        return out.add_(torch.bincount(idx, minlength=N_BUCKETS))
-    for chunk in idx.split(_CHUNK):
-        counts = torch.histc(chunk.float(), bins=N_BUCKETS, min=-0.5, max=N_BUCKETS - 0.5)
-        out.add_(counts.to(torch.int64))
+    biased = (x.view(torch.int32) >> 23) & 0xFF
+    if x.device.type == "cpu":
+        per_exponent = torch.bincount(biased.to(torch.uint8), minlength=256)
+    else:
+        per_exponent = torch.zeros(256, dtype=torch.int64, device=x.device)
+        for chunk in biased.split(_CHUNK):
+            per_exponent += torch.histc(chunk.float(), bins=256, min=-0.5, max=255.5).to(torch.int64)
+    out.index_add_(0, _FOLD.to(x.device), per_exponent)
+    zeros = x.numel() - torch.count_nonzero(x)
+    out[_ZERO] += zeros
+    out[_BELOW] -= zeros
     return out
 
 
 def _finite_amax(tensor: torch.Tensor) -> torch.Tensor:
-    a = tensor.detach().float().abs()
-    return torch.where(torch.isfinite(a), a, 0).amax() if a.numel() else a.new_zeros(())
+    """max |x| in one read-only pass; inf or NaN when the tensor holds one (no headroom left)."""
+    x = tensor.detach().reshape(-1)
+    if x.numel() == 0:
+        return torch.zeros((), device=x.device)
+    low, high = torch.aminmax(x.float() if x.dtype != torch.float32 else x)
+    return torch.maximum(low.abs(), high.abs())
 
 
 def summarize_counts(counts: list[int] | torch.Tensor, amax: float | None = None) -> dict[str, Any]:
     """Fractions from a histogram: zero, subnormal (0 < |x| < 2^-14, including below 2^-24),
     below 2^-24 (flushed in FP16), overflow (>= 2^16 or inf/NaN), and headroom in bits,
-    `log2(65504 / max|x|)` (negative: the largest value overflows FP16)."""
+    `log2(65504 / max|x|)` (negative: the largest value overflows FP16; -inf: inf/NaN present)."""
     counts = [int(c) for c in counts]
     total = max(sum(counts), 1)
     subnormal_buckets = [_BELOW, *range(bucket_index(MIN_EXP), bucket_index(-14))]
@@ -96,7 +114,10 @@ def summarize_counts(counts: list[int] | torch.Tensor, amax: float | None = None
     }
     if amax is not None:
         out["max_abs"] = amax
-        out["headroom_bits"] = math.log2(FP16_MAX / amax) if amax > 0 else math.inf
+        if not math.isfinite(amax):
+            out["headroom_bits"] = -math.inf  # the step held inf/NaN: it overflowed
+        else:
+            out["headroom_bits"] = math.log2(FP16_MAX / amax) if amax > 0 else math.inf
     return out
 
 

@@ -30,3 +30,28 @@ def test_fp16_emulation_speed_smoke(tmp_path):
         ["--tiny", "--repeats", "1", "--batch", "2", "--seq", "8", "--out", str(out)]
     )
     assert json.loads(out.read_text())["emulated_over_fp32"] == result["emulated_over_fp32"] > 0
+
+
+def test_step_overhead_smoke(tmp_path):
+    out = tmp_path / "s.json"
+    result = load("step_overhead").main(["--tiny", "--output", str(out)])
+    assert json.loads(out.read_text())["setup"]["tensors"] == 20
+    for kind in ("adamw_foreach", "adamw_fused", "sgd"):
+        assert result["rows"][kind]["GradScaler"]["vs_GradScaler"] == 1.0
+        syncs = result["syncs"][kind]
+        # the counts the benchmark reports are the ones the scaler promises
+        assert syncs["DynamicLossScaler"] == syncs["+ telemetry"] == (0 if kind == "adamw_fused" else 1)
+        assert syncs["DynamicLossScaler"] <= syncs["GradScaler"]
+
+
+def test_gpu_check_is_ready():
+    import subprocess
+
+    script = (BENCH / "gpu_check.sh").read_text()
+    assert "set_sync_debug_mode" in (BENCH / "gpu_check.py").read_text()
+    assert "--no-index" in script and "pytest -q -m cuda" in script
+    assert subprocess.run(["bash", "-n", str(BENCH / "gpu_check.sh")]).returncode == 0  # parses
+    import torch
+
+    if not torch.cuda.is_available():
+        assert load("gpu_check").main([]) == 2  # says it needs a GPU, does not pretend

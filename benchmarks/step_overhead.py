@@ -1,0 +1,244 @@
+"""What loss scaling adds to an optimizer step, against `torch.amp.GradScaler`, in one process.
+
+A transformer-sized parameter set (default about 100M FP32 parameters in a few hundred tensors,
+gradients as autocast leaves them: FP32), and the part of a step that scaling touches: unscale +
+inf check + optimizer step + update. Rows: no scaler (the bare optimizer step), GradScaler,
+DynamicLossScaler (default config), DynamicLossScaler with min/max/hysteresis, and with telemetry
+at its default interval (a step plus 1/interval of a telemetry snapshot, both measured); for
+AdamW (foreach), AdamW (fused) and SGD. Variants are interleaved, repeat by repeat, and medians
+reported with ratios against GradScaler. Also: the unscale-and-check pass against a single
+`torch._foreach_mul_` over the same gradients (the memory-bound floor), and host reads
+(`aten._local_scalar_dense`, the CPU proxy of a CUDA sync) added per step by each scaler.
+
+    python benchmarks/step_overhead.py [--params 100e6 --tensors 300 --repeats 5] [--tiny]
+
+Writes benchmarks/results/step_overhead.json. On CUDA it reports absolute times, with the GPU named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hf_lossscale import DynamicLossScaler, LossScaleConfig
+from hf_lossscale.telemetry import GradientTelemetry
+
+OPTIMIZERS = ["adamw_foreach", "adamw_fused", "sgd"]
+ROWS = ["no scaler", "GradScaler", "DynamicLossScaler", "DynamicLossScaler min/max/hysteresis", "+ telemetry"]
+
+
+class CountReads(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def make_params(total: float, tensors: int, device: str) -> list[torch.nn.Parameter]:
+    """Transformer-like shapes: a few large matrices, many vectors; `total` elements in all."""
+    g = torch.Generator().manual_seed(0)
+    n_mat = max(1, tensors // 2)
+    side = int((total / n_mat) ** 0.5)
+    shapes = [(side, side)] * n_mat + [(side,)] * (tensors - n_mat)
+    params = [torch.nn.Parameter(torch.randn(s, generator=g).to(device) * 0.02) for s in shapes]
+    for p in params:
+        p.grad = (torch.randn(p.shape, generator=g) * 1e-3).to(device) * 2.0**16  # scaled FP32 grads
+    return params
+
+
+def make_optimizer(kind: str, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=True)
+    return torch.optim.AdamW(params, lr=1e-5, foreach=kind == "adamw_foreach", fused=kind == "adamw_fused")
+
+
+def make_scaler(row: str, device: str):
+    if row == "no scaler":
+        return None
+    if row == "GradScaler":
+        return torch.amp.GradScaler(device, init_scale=2.0**16)
+    config = LossScaleConfig(telemetry_interval=0)
+    if row == "DynamicLossScaler min/max/hysteresis":
+        config = config.replace(min_scale=16.0, max_scale=2.0**20, hysteresis=2)
+    return DynamicLossScaler(config, device=device)
+
+
+def sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def measure(opts: argparse.Namespace) -> dict:
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    params = make_params(opts.params, opts.tensors, device)
+    grads = [p.grad for p in params]
+    saved = [g.clone() for g in grads]
+    results: dict = {"rows": {}, "syncs": {}}
+    telemetry_interval = LossScaleConfig().telemetry_interval
+    for kind in OPTIMIZERS:
+        opt = make_optimizer(kind, params)
+        scalers = {row: make_scaler(row, device) for row in ROWS[:-1]}
+
+        def one_step(row, scalers=scalers, opt=opt):
+            for g, s in zip(grads, saved, strict=True):
+                g.copy_(s)  # the same scaled gradients every time (not timed)
+            scaler = scalers[row]
+            sync(device)
+            t = time.perf_counter()
+            if scaler is None:
+                opt.step()
+            else:
+                scaler.unscale_(opt)
+                scaler.step(opt)
+                scaler.update()
+            sync(device)
+            return time.perf_counter() - t
+
+        def snapshot():
+            telemetry = GradientTelemetry(1)
+            sync(device)
+            t = time.perf_counter()
+            telemetry.observe(((str(i), g) for i, g in enumerate(grads)), 0)
+            telemetry.end_iteration(0)
+            sync(device)
+            return time.perf_counter() - t
+
+        # Every scaler needs one scale() call to create its state on the device.
+        for s in scalers.values():
+            if s is not None:
+                s.scale(torch.ones((), device=device))
+        for row in scalers:
+            one_step(row)  # warm-up
+        times: dict[str, list[float]] = {row: [] for row in ROWS}
+        for _ in range(opts.repeats):  # interleaved
+            for row in scalers:
+                times[row].append(one_step(row))
+            times["+ telemetry"].append(snapshot())
+        med = {row: statistics.median(v) for row, v in times.items()}
+        med["+ telemetry"] = med["DynamicLossScaler"] + med["+ telemetry"] / telemetry_interval
+        base = med["GradScaler"]
+        results["rows"][kind] = {
+            row: {"median_s": med[row], "vs_GradScaler": med[row] / base} for row in ROWS
+        }
+
+        # host reads per step, minus the bare optimizer's own
+        counts = {}
+        for row in scalers:
+            for g, s in zip(grads, saved, strict=True):
+                g.copy_(s)
+            with CountReads() as counter:
+                scaler = scalers[row]
+                if scaler is None:
+                    opt.step()
+                else:
+                    scaler.unscale_(opt)
+                    scaler.step(opt)
+                    scaler.update()
+            counts[row] = counter.count
+        # the same with a telemetry snapshot in the step (interval 1)
+        telemetry_scaler = DynamicLossScaler(LossScaleConfig(telemetry_interval=1), device=device)
+        telemetry_scaler.scale(torch.ones((), device=device))
+        for g, s in zip(grads, saved, strict=True):
+            g.copy_(s)
+        with CountReads() as counter:
+            telemetry_scaler.unscale_(opt)
+            telemetry_scaler.step(opt)
+            telemetry_scaler.update()
+        counts["+ telemetry"] = counter.count
+        results["syncs"][kind] = {row: counts[row] - counts["no scaler"] for row in counts}
+
+    # the scaler's own part alone (unscale + inf check + update, no optimizer step), interleaved
+    opt = make_optimizer("sgd", params)
+    alone = {row: make_scaler(row, device) for row in ROWS[1:-1]}
+    for s in alone.values():
+        s.scale(torch.ones((), device=device))
+    own: dict[str, list[float]] = {row: [] for row in alone}
+    for _ in range(opts.repeats + 1):
+        for row, scaler in alone.items():
+            for g, s in zip(grads, saved, strict=True):
+                g.copy_(s)
+            sync(device)
+            t = time.perf_counter()
+            scaler.unscale_(opt)
+            scaler.update()
+            sync(device)
+            own[row].append(time.perf_counter() - t)
+    own_med = {row: statistics.median(v[1:]) for row, v in own.items()}  # the first is a warm-up
+    results["scaler_only"] = {
+        row: {"median_s": m, "vs_GradScaler": m / own_med["GradScaler"]} for row, m in own_med.items()
+    }
+
+    # distance to the memory-bound floor: unscale-and-check vs one foreach multiply
+    found = torch.zeros((), device=device)
+    inv = torch.full((), 1.0, device=device)
+    floor, ours = [], []
+    for _ in range(opts.repeats):
+        sync(device)
+        t = time.perf_counter()
+        torch._foreach_mul_(grads, 1.0)
+        sync(device)
+        floor.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, inv)
+        sync(device)
+        ours.append(time.perf_counter() - t)
+    results["unscale_check_vs_foreach_mul"] = statistics.median(ours) / statistics.median(floor)
+    results["unscale_check_median_s"] = statistics.median(ours)
+    results["foreach_mul_median_s"] = statistics.median(floor)
+    results["setup"] = {
+        "device": torch.cuda.get_device_name()
+        if device == "cuda"
+        else f"cpu ({torch.get_num_threads()} threads)",
+        "machine": platform.machine(),
+        "torch": torch.__version__,
+        "parameters": sum(p.numel() for p in params),
+        "tensors": len(params),
+        "repeats": opts.repeats,
+        "telemetry_interval": telemetry_interval,
+        "absolute_times_meaningful": device == "cuda",
+    }
+    return results
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--params", type=float, default=100e6)
+    parser.add_argument("--tensors", type=int, default=300)
+    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--tiny", action="store_true", help="10k parameters in 20 tensors (smoke test).")
+    parser.add_argument("--output", default=str(Path(__file__).parent / "results" / "step_overhead.json"))
+    opts = parser.parse_args(argv)
+    if opts.tiny:
+        opts.params, opts.tensors, opts.repeats = 1e4, 20, min(opts.repeats, 2)
+    result = measure(opts)
+    Path(opts.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(opts.output).write_text(json.dumps(result, indent=2))
+    for kind, rows in result["rows"].items():
+        print(kind)
+        for row, r in rows.items():
+            sy = result["syncs"][kind].get(row, "—")
+            print(
+                f"  {row:<38} {r['median_s'] * 1e3:9.2f} ms  x{r['vs_GradScaler']:.3f} vs GradScaler  syncs +{sy}"
+            )
+    print("scaler only (unscale + check + update)")
+    for row, r in result["scaler_only"].items():
+        print(f"  {row:<38} {r['median_s'] * 1e3:9.2f} ms  x{r['vs_GradScaler']:.3f} vs GradScaler")
+    print(f"unscale+check / foreach_mul = {result['unscale_check_vs_foreach_mul']:.3f}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
