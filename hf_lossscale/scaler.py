@@ -126,6 +126,7 @@ class DynamicLossScaler:
         #: Exponent histograms of the scaled gradients every `config.telemetry_interval` iterations.
         self.telemetry = GradientTelemetry(config.telemetry_interval)
         self._iteration = 0  # host-side count of update() calls: decides telemetry without a sync
+        self._found_inf_group: Any = None  # set by sync_found_inf_across() for local-shard paths
 
     # ------------------------------------------------------------------ config access
     @property
@@ -159,6 +160,24 @@ class DynamicLossScaler:
         pairs = named.named_parameters() if isinstance(named, torch.nn.Module) else named
         for name, param in pairs:
             self._param_names[id(param)] = name
+
+    def sync_found_inf_across(self, group: Any = None) -> None:
+        """All-reduce (max) each optimizer's found-inf flag over `group` (default: the world) before
+        the skip decision, so every rank skips and backs off together.
+
+        Only for paths whose gradients are *local shards* (FSDP1's flat parameters, or your own
+        sharding). Not needed with DDP (gradients are all-reduced before the check) nor FSDP2
+        (torch reduces the flag for DTensor gradients). One small collective per optimizer and
+        step, queued on the device: no host synchronisation. A rank holding no gradient still
+        takes part (with a clean flag), so none waits forever.
+        """
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(
+                "sync_found_inf_across() needs an initialised torch.distributed process group."
+            )
+        self._found_inf_group = group if group is not None else dist.group.WORLD
 
     # ------------------------------------------------------------------ state
     def _initial_state(self) -> dict[str, Any]:
@@ -274,6 +293,12 @@ class DynamicLossScaler:
                     torch._amp_foreach_non_finite_check_and_unscale_(grads, found[device], inv[device])
         if not found:  # no gradients at all: record a clean check on the scale's device
             found[self._scale.device] = torch.zeros((), dtype=torch.float32, device=self._scale.device)
+        if self._found_inf_group is not None:
+            import torch.distributed as dist
+
+            flag = torch.stack([f.to(self._scale.device) for f in found.values()]).amax()
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._found_inf_group)
+            found = {flag.device: flag}
         if self._known_consecutive > 0:
             # We are in a run of skipped steps: name the culprits while the gradients exist.
             self._record_overflow_params(optimizer)
@@ -472,7 +497,7 @@ class DynamicLossScaler:
         for group in optimizer.param_groups:
             for param in group["params"]:
                 if param.grad is not None and not param.grad.is_sparse:
-                    yield self._name_of(param, optimizer), param.grad
+                    yield self._name_of(param, optimizer), _local(param.grad)  # this rank's shard
 
     def _record_overflow_params(self, optimizer: torch.optim.Optimizer) -> None:
         """Name the parameters whose gradients are non-finite (one host sync; skipped steps only)."""
@@ -480,7 +505,7 @@ class DynamicLossScaler:
         if not params:
             return
         with torch.no_grad():
-            bad = torch.stack([~torch.isfinite(p.grad).all() for p in params]).tolist()
+            bad = torch.stack([~torch.isfinite(_local(p.grad)).all() for p in params]).tolist()
         names = [self._name_of(p, optimizer) for p, b in zip(params, bad) if b]
         if names:
             self.overflow_params = names[:_MAX_NAMES]
@@ -636,6 +661,11 @@ class DynamicLossScaler:
 
     def __repr__(self) -> str:
         return f"DynamicLossScaler({self.config!r}, device={self.device})"
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2), else the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 def _check_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
