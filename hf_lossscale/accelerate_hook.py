@@ -24,7 +24,13 @@ from .config import LossScaleConfig, resolve_config
 from .emulation import fp16_emulation
 from .scaler import DynamicLossScaler
 
-__all__ = ["install_loss_scaler", "LossScaledOptimizer", "effective_mixed_precision", "plain_forward"]
+__all__ = [
+    "install_loss_scaler",
+    "LossScaledOptimizer",
+    "effective_mixed_precision",
+    "plain_forward",
+    "needs_found_inf_sync",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +121,8 @@ def install_loss_scaler(
     _warn_if_grad_scaler_kwargs_ignored(accelerator, config)
 
     scaler = DynamicLossScaler(config, device=accelerator.device)
+    if needs_found_inf_sync(accelerator):
+        scaler.sync_found_inf_across()  # FSDP1: gradients are local flat shards
     accelerator.scaler = scaler
     accelerator.hf_lossscale_fp16 = accelerator.device.type
     if accelerator.device.type == "cpu":
@@ -126,6 +134,16 @@ def install_loss_scaler(
     _hook_prepare(accelerator)
     logger.info("hf_lossscale: installed %r", scaler)
     return scaler
+
+
+def needs_found_inf_sync(accelerator: Any) -> bool:
+    """Whether the scaler must all-reduce its found-inf flag itself: only under FSDP1, whose
+    gradients are local shards. DDP all-reduces gradients before the check, and FSDP2's DTensor
+    gradients have torch reduce the flag; adding a collective there would only cost time."""
+    if accelerator.distributed_type != DistributedType.FSDP:
+        return False
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    return int(getattr(plugin, "fsdp_version", 1) or 1) == 1
 
 
 def _warn_if_grad_scaler_kwargs_ignored(accelerator: Accelerator, config: LossScaleConfig) -> None:

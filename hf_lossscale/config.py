@@ -216,6 +216,58 @@ class LossScaleConfig:
         else:
             path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
+    def to_deepspeed_config(self) -> dict[str, Any]:
+        """The DeepSpeed `fp16` section that comes closest to this config (DeepSpeed owns its scaler).
+
+        Dynamic mode maps to `loss_scale: 0`, `initial_scale_power`, `loss_scale_window`
+        (growth_interval), `hysteresis`, `consecutive_hysteresis`, `min_loss_scale`; static mode to
+        `loss_scale: init_scale`; off to `enabled: false`. A `UserWarning` names each setting
+        DeepSpeed cannot express and the rule differences.
+
+        Example:
+
+        ```python
+        >>> LossScaleConfig(init_scale=2.0**12, hysteresis=2).to_deepspeed_config()["initial_scale_power"]  # doctest: +SKIP
+        12
+        ```
+        """
+        import warnings
+
+        if self.mode == "off":
+            return {"enabled": False}
+        if self.mode == "static":
+            return {"enabled": True, "loss_scale": self.init_scale}
+        power = math.log2(self.init_scale)
+        problems = []
+        if not power.is_integer():
+            problems.append(
+                f"init_scale={self.init_scale:g} is not a power of two (rounded to 2^{round(power)})"
+            )
+        if self.growth_factor != 2.0:
+            problems.append(f"growth_factor={self.growth_factor:g} (DeepSpeed always multiplies by 2)")
+        if self.backoff_factor != 0.5:
+            problems.append(f"backoff_factor={self.backoff_factor:g} (DeepSpeed always divides by 2)")
+        problems.append(f"max_scale={self.max_scale:g} (DeepSpeed has no ceiling)")
+        if self.max_consecutive_skips is not None:
+            problems.append(f"max_consecutive_skips={self.max_consecutive_skips} (no equivalent)")
+        problems.append(
+            "rule difference: DeepSpeed grows when (step - last overflow step) is a multiple of "
+            "loss_scale_window, counting its window since the last overflow"
+        )
+        warnings.warn(
+            "LossScaleConfig.to_deepspeed_config: not expressible in DeepSpeed: " + "; ".join(problems) + ".",
+            stacklevel=2,
+        )
+        return {
+            "enabled": True,
+            "loss_scale": 0,
+            "initial_scale_power": int(round(power)),
+            "loss_scale_window": self.growth_interval,
+            "hysteresis": self.hysteresis,
+            "consecutive_hysteresis": self.consecutive_hysteresis,
+            "min_loss_scale": self.min_scale,
+        }
+
     def replace(self, **changes: Any) -> LossScaleConfig:
         """A validated copy with some fields changed."""
         unknown = sorted(set(changes) - set(self.field_names()))

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from accelerate.utils import DistributedType
 from transformers import Trainer, TrainerCallback, TrainingArguments
 from transformers.trainer import SCALER_NAME, TRAINER_STATE_NAME
 
@@ -203,6 +204,41 @@ def last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
     return None
 
 
+def check_deepspeed_fp16(config: LossScaleConfig, fp16_section: dict[str, Any]) -> list[str]:
+    """Warn, naming them, where DeepSpeed's `fp16` section differs from `config.to_deepspeed_config()`
+    ("auto" values, which Accelerate fills in, count as agreeing). Returns the differing keys."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the inexpressible settings are not the question here
+        wanted = config.to_deepspeed_config()
+    differing = sorted(
+        k for k, v in wanted.items() if k in fp16_section and fp16_section[k] not in (v, "auto")
+    )
+    missing = sorted(k for k in wanted if k not in fp16_section)
+    if differing or missing:
+        warnings.warn(
+            "DeepSpeed owns the loss scaler in this run; its fp16 section differs from the loss-scale config: "
+            + ", ".join(f"{k}={fp16_section[k]!r} (config: {wanted[k]!r})" for k in differing)
+            + (f"; not set there (DeepSpeed defaults apply): {missing}" if missing else "")
+            + ". Put `LossScaleConfig.to_deepspeed_config()` in the DeepSpeed config's fp16 section.",
+            stacklevel=3,
+        )
+    return differing + missing
+
+
+def deepspeed_scale_figures(engine: Any) -> dict[str, float]:
+    """`loss_scale` and `skipped_steps` of a DeepSpeed engine, under our log names (empty if absent)."""
+    out: dict[str, float] = {}
+    optimizer = getattr(engine, "optimizer", None)
+    scale = getattr(optimizer, "cur_scale", None)
+    if scale is None:
+        scale = getattr(getattr(optimizer, "loss_scaler", None), "cur_scale", None)
+    if scale is not None:
+        out["loss_scale"] = float(scale)
+    if getattr(engine, "skipped_steps", None) is not None:
+        out["skipped_steps"] = int(engine.skipped_steps)
+    return out
+
+
 class LossScaleMixin:
     """Put a `DynamicLossScaler` in charge of any `Trainer` subclass's FP16 training.
 
@@ -254,10 +290,18 @@ class LossScaleMixin:
                     stacklevel=2,
                 )
             return
+        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            # DeepSpeed's engine owns its scaler: check its fp16 section against ours, log its figures.
+            config = resolve_config(self._loss_scale_config, overrides)
+            plugin = self.accelerator.state.deepspeed_plugin
+            check_deepspeed_fp16(config, (plugin.deepspeed_config or {}).get("fp16", {}))
+            return
         self.loss_scaler = install_loss_scaler(self.accelerator, self._loss_scale_config, overrides=overrides)
 
     # ------------------------------------------------------------------ logging
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        if self.loss_scaler is None and self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            logs.update(deepspeed_scale_figures(self.model_wrapped))
         if self.loss_scaler is not None:
             stats = self.loss_scaler.stats()
             last_total, last_skipped = self._last_logged_counts

@@ -64,3 +64,84 @@ def test_scaler_state_round_trips_through_distributed_checkpoint(ranks):
     for r in ranks:
         assert r["fsdp2"]["dcp_loaded"] == r["fsdp2"]["dcp_saved"]
     assert ranks[0]["fsdp2"]["dcp_loaded"] == ranks[1]["fsdp2"]["dcp_loaded"]
+
+
+def test_found_inf_sync_is_chosen_by_distributed_type():
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from hf_lossscale.accelerate_hook import needs_found_inf_sync
+
+    def acc(kind, version=None):
+        plugin = SimpleNamespace(fsdp_version=version) if version else None
+        return SimpleNamespace(distributed_type=kind, state=SimpleNamespace(fsdp_plugin=plugin))
+
+    assert needs_found_inf_sync(acc(DistributedType.FSDP, 1))
+    assert not needs_found_inf_sync(acc(DistributedType.FSDP, 2))  # DTensor: torch reduces the flag
+    for kind in (DistributedType.MULTI_GPU, DistributedType.MULTI_CPU, DistributedType.NO):
+        assert not needs_found_inf_sync(acc(kind))  # DDP: gradients already all-reduced
+
+
+def test_sync_found_inf_needs_a_process_group():
+    from hf_lossscale import DynamicLossScaler
+
+    with pytest.raises(RuntimeError, match="initialised torch.distributed"):
+        DynamicLossScaler().sync_found_inf_across()
+
+
+# The keys of DeepSpeed's `fp16` section, from its documentation (DeepSpeed does not install on this
+# CPU-only machine, so the mapping is checked against the documented keys, not its parser).
+DEEPSPEED_FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_power", "loss_scale_window",
+                       "hysteresis", "consecutive_hysteresis", "min_loss_scale"}  # fmt: skip
+
+
+def test_to_deepspeed_config():
+    from hf_lossscale import LossScaleConfig
+
+    with pytest.warns(UserWarning) as record:
+        ds = LossScaleConfig(
+            init_scale=2.0**12, growth_interval=500, hysteresis=2, min_scale=4.0
+        ).to_deepspeed_config()
+    assert ds == {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500,
+                  "hysteresis": 2, "consecutive_hysteresis": False, "min_loss_scale": 4.0}  # fmt: skip
+    assert set(ds) <= DEEPSPEED_FP16_KEYS
+    text = str(record[0].message)
+    assert (
+        "max_scale=1.67772e+07" in text and "since the last overflow" in text and "growth_factor" not in text
+    )
+    with pytest.warns(
+        UserWarning, match=r"init_scale=3000 is not a power of two.*growth_factor=4.*backoff_factor=0.25"
+    ):
+        ds = LossScaleConfig(init_scale=3000.0, growth_factor=4.0, backoff_factor=0.25).to_deepspeed_config()
+    assert ds["initial_scale_power"] == 12
+    assert LossScaleConfig(mode="static", init_scale=128.0).to_deepspeed_config() == {
+        "enabled": True,
+        "loss_scale": 128.0,
+    }
+    assert LossScaleConfig(mode="off").to_deepspeed_config() == {"enabled": False}
+
+
+def test_deepspeed_fp16_section_is_checked_and_its_figures_logged():
+    from types import SimpleNamespace
+
+    from hf_lossscale import LossScaleConfig
+    from hf_lossscale.trainer import check_deepspeed_fp16, deepspeed_scale_figures
+
+    config = LossScaleConfig(init_scale=2.0**12, hysteresis=2)
+    with pytest.warns(UserWarning, match=r"hysteresis=4 \(config: 2\).*not set there.*min_loss_scale"):
+        keys = check_deepspeed_fp16(config, {"enabled": True, "loss_scale": 0, "initial_scale_power": "auto",
+                                             "loss_scale_window": 2000, "hysteresis": 4,
+                                             "consecutive_hysteresis": False})  # fmt: skip
+    assert keys == ["hysteresis", "min_loss_scale"]
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.warns(UserWarning):  # only to_deepspeed_config's own note, which the check silences
+            section = config.to_deepspeed_config()
+        assert check_deepspeed_fp16(config, section) == []
+    engine = SimpleNamespace(optimizer=SimpleNamespace(cur_scale=1024.0), skipped_steps=3)
+    assert deepspeed_scale_figures(engine) == {"loss_scale": 1024.0, "skipped_steps": 3}
+    nested = SimpleNamespace(optimizer=SimpleNamespace(loss_scaler=SimpleNamespace(cur_scale=8.0)))
+    assert deepspeed_scale_figures(nested) == {"loss_scale": 8.0}
