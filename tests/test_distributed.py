@@ -145,3 +145,25 @@ def test_deepspeed_fp16_section_is_checked_and_its_figures_logged():
     assert deepspeed_scale_figures(engine) == {"loss_scale": 1024.0, "skipped_steps": 3}
     nested = SimpleNamespace(optimizer=SimpleNamespace(loss_scaler=SimpleNamespace(cur_scale=8.0)))
     assert deepspeed_scale_figures(nested) == {"loss_scale": 8.0}
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("version", [1, 2])
+def test_accelerate_fsdp_on_two_gpus(tmp_path, version):
+    """GPU only (two GPUs): Accelerate's FSDP path; written for gpu_check, not run on the CPU machine."""
+    import torch
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    root = Path(__file__).resolve().parents[1]
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(root / "recipes" / "configs" / "fsdp_fp16.yaml"), "--num_processes", "2",
+           str(Path(__file__).parent / "scripts" / "accelerate_fsdp_check.py"), str(tmp_path), str(version)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r0, r1 = (json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1))
+    assert r0["skipped"] == r1["skipped"] == [False, False, True, False]
+    assert r0["sync"] is (version == 1) and r1["sync"] is (version == 1)
+    assert (
+        r0["after"] == r0["before"] == r1["after"]
+    )  # save_state/load_state keep the scale (accelerate#4289)
