@@ -167,3 +167,17 @@ def test_accelerate_fsdp_on_two_gpus(tmp_path, version):
     assert (
         r0["after"] == r0["before"] == r1["after"]
     )  # save_state/load_state keep the scale (accelerate#4289)
+
+
+@pytest.mark.cuda
+def test_trainer_under_deepspeed(tmp_path):
+    """GPU + DeepSpeed only: written for gpu_check, not run on the CPU machine."""
+    pytest.importorskip("deepspeed")
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--num_processes", "1",
+           str(Path(__file__).parent / "scripts" / "deepspeed_check.py"), str(tmp_path)]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    result = json.loads((tmp_path / "deepspeed.json").read_text())
+    assert result["loss_scaler"] is False and result["warned_hysteresis"]
+    assert result["scales"][0] == 1024.0 and result["skipped"][-1] >= 1  # the engine's own figures
+    assert result["scales"][-1] < result["scales"][0]  # the engine backed off on the injected inf
