@@ -42,7 +42,8 @@ class LossScaledOptimizer(AcceleratedOptimizer):
 
     Accelerate decides "skipped" by whether `optimizer.step` was called, which is wrong for fused
     optimizers: they are always called and skip inside the kernel (accelerate issue 4242).
-    Reading `step_was_skipped` costs one host read of a 0-d device tensor.
+    Reading `step_was_skipped` costs one host read of a 0-d device tensor, once per step however
+    many callers ask.
     """
 
     def step(self, closure=None):
@@ -51,13 +52,16 @@ class LossScaledOptimizer(AcceleratedOptimizer):
         if self.gradient_state.sync_gradients and isinstance(scaler, DynamicLossScaler):
             flag = scaler.step_skipped_tensor
             self._skip_flag = flag if scaler.is_enabled() else None  # a snapshot: update() replaces it
+            self._skip_value = None
 
     @property
     def step_was_skipped(self) -> bool:
         flag = getattr(self, "_skip_flag", None)
         if flag is None:
             return self._is_overflow
-        return bool(flag.item())
+        if getattr(self, "_skip_value", None) is None:
+            self._skip_value = bool(flag.item())
+        return self._skip_value
 
 
 def effective_mixed_precision(accelerator: Accelerator) -> str:

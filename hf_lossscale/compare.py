@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .events import read_events, read_run_events
+from .events import read_new_events, read_run_events, train_log_series
 
 __all__ = ["SETTINGS", "RunResult", "run_comparison", "add_compare_arguments", "split_script_args"]
 
@@ -96,7 +96,9 @@ class RunResult:
 
 def parse_events(result: RunResult, events: list[dict[str, Any]]) -> None:
     """Fill `result` from a run's events (see `LossScaleMixin`'s event log)."""
-    last_skipped = 0
+    series = train_log_series(events)
+    result.steps, result.train_loss = series["steps"], series["losses"]
+    result.loss_scale, result.skipped_at = series["scales"], series["skipped_at"]
     for e in events:
         kind = e.get("event")
         if kind == "run_start":
@@ -106,14 +108,6 @@ def parse_events(result: RunResult, events: list[dict[str, Any]]) -> None:
                 entry = {k: v for k, v in e.items() if k.startswith("eval_") or k == "step"}
                 result.evals.append(entry)
                 result.final_eval = {k: v for k, v in entry.items() if k != "step"}
-            elif "loss" in e:
-                result.steps.append(int(e["step"]))
-                result.train_loss.append(float(e["loss"]))
-                result.loss_scale.append(e.get("loss_scale"))
-                skipped = int(e.get("skipped_steps", 0))
-                if skipped > last_skipped:
-                    result.skipped_at.append(int(e["step"]))
-                last_skipped = skipped
             if "train_runtime" in e:
                 result.train_runtime_s = float(e["train_runtime"])
             if "skipped_steps" in e:
@@ -208,17 +202,16 @@ def run_one(
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     print(f"[{setting:>7} seed {seed}] {shlex.join(command)}", flush=True)
     start = time.perf_counter()
-    seen = 0
+    offset = 0
     with open(log_path, "w") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
         while True:
             done = proc.poll() is not None
-            events = _read_raw(events_path)
-            for event in events[seen:]:
+            events, offset = read_new_events(events_path, offset)  # only what was appended
+            for event in events:
                 line = _progress(result, event, opts.max_steps)
                 if line:
                     print(line, flush=True)
-            seen = len(events)
             if done:
                 break
             time.sleep(0.5)
@@ -233,10 +226,6 @@ def run_one(
         print(f"[{setting:>7} seed {seed}] FAILED (exit {proc.returncode}); see {log_path}:", file=sys.stderr)
         print("\n".join(tail), file=sys.stderr)
     return result
-
-
-def _read_raw(path: Path) -> list[dict[str, Any]]:
-    return read_events(path) if path.exists() else []
 
 
 # ---------------------------------------------------------------------- summarising
@@ -472,6 +461,8 @@ def write_plots(results: list[RunResult], opts: argparse.Namespace, out: Path) -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from .report import plot_scale
+
     colors = {"fp32": "black", "dynamic": "tab:blue", "static": "tab:red", "off": "tab:orange"}
     written = []
     fig, ax = plt.subplots(figsize=(7, 4.2))
@@ -498,21 +489,8 @@ def write_plots(results: list[RunResult], opts: argparse.Namespace, out: Path) -
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for r in results:
-        points = [(s, v) for s, v in zip(r.steps, r.loss_scale, strict=True) if v is not None]
-        if not points:
-            continue
-        steps, scales = zip(*points, strict=True)
-        ax.step(
-            steps,
-            scales,
-            where="post",
-            color=colors[r.setting],
-            label=f"{SETTINGS[r.setting]} (seed {r.seed})",
-        )
-        skipped = [(s, v) for s, v in points if s in set(r.skipped_at)]
-        if skipped:
-            ax.scatter(*zip(*skipped, strict=True), marker="x", color=colors[r.setting], zorder=3)
-    ax.set_yscale("log", base=2)
+        plot_scale(ax, r.steps, r.loss_scale, r.skipped_at, color=colors[r.setting],
+                   label=f"{SETTINGS[r.setting]} (seed {r.seed})")  # fmt: skip
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss scale (x = skipped step)")
     ax.set_title("Loss scale per step")

@@ -13,7 +13,7 @@ import json
 import os
 from typing import Any
 
-__all__ = ["EVENT_LOG_NAME", "read_events", "read_run_events"]
+__all__ = ["EVENT_LOG_NAME", "read_events", "read_new_events", "read_run_events", "train_log_series"]
 
 EVENT_LOG_NAME = "loss_scale_log.jsonl"
 
@@ -30,6 +30,37 @@ def read_events(path: str | os.PathLike) -> list[dict[str, Any]]:
             except json.JSONDecodeError as err:
                 raise ValueError(f"{os.fspath(path)} line {number} is not JSON: {err}") from None
     return events
+
+
+def read_new_events(path: str | os.PathLike, offset: int) -> tuple[list[dict[str, Any]], int]:
+    """The complete events written after byte `offset`, and the offset to read from next time
+    (for following a running job's log without re-reading it)."""
+    if not os.path.exists(path):
+        return [], offset
+    with open(path, "rb") as f:
+        f.seek(offset)
+        data = f.read()
+    end = data.rfind(b"\n") + 1  # a half-written last line waits for the next call
+    lines = data[:end].decode("utf-8").splitlines()
+    return [json.loads(line) for line in lines if line.strip()], offset + end
+
+
+def train_log_series(events: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    """From the training-loss log events: `steps`, `losses`, `scales` (None when not FP16) and
+    `skipped_at`, the steps at which the cumulative skip count rose."""
+    out: dict[str, list[Any]] = {"steps": [], "losses": [], "scales": [], "skipped_at": []}
+    last_skipped = 0
+    for e in events:
+        if e.get("event") != "log" or "loss" not in e or "eval_loss" in e:
+            continue
+        out["steps"].append(int(e["step"]))
+        out["losses"].append(float(e["loss"]))
+        out["scales"].append(e.get("loss_scale"))
+        skipped = int(e.get("skipped_steps", 0))
+        if skipped > last_skipped:
+            out["skipped_at"].append(int(e["step"]))
+        last_skipped = skipped
+    return out
 
 
 def read_run_events(path: str | os.PathLike) -> list[dict[str, Any]]:

@@ -146,3 +146,77 @@ def data_files_builder(files: dict[str, str]) -> tuple[str, dict[str, Any]]:
     raise ValueError(
         f"Unsupported data file extension {suffix!r} in {files}: use csv, tsv, json, jsonl or txt."
     )
+
+
+def setup_run(parser: HfArgumentParser, argv: Sequence[str] | None = None) -> tuple[Any, ...]:
+    """What every recipe does first: parse (with `--config`), set up logging, check that there is
+    something to do, seed. Returns the parsed dataclasses; the `TrainingArguments` come last."""
+    import logging
+    import sys
+
+    import transformers
+
+    parsed = parse_args(parser, argv)
+    training_args = parsed[-1]
+    logging.basicConfig(
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO, stream=sys.stdout
+    )
+    transformers.utils.logging.set_verbosity(training_args.get_process_log_level())
+    if not (training_args.do_train or training_args.do_eval):
+        raise ValueError("Nothing to do: pass --do_train and/or --do_eval.")
+    if not training_args.do_train:
+        logging.getLogger(__name__).warning(
+            "--do_train not given: evaluating the model as loaded, without training."
+        )
+    transformers.set_seed(training_args.seed)
+    return parsed
+
+
+def load_raw_datasets(data: Any, model: ModelArguments, *, shuffle_split: bool = True) -> Any:
+    """`train` and `validation` splits from the Hub (`data.dataset_name`) or local files
+    (`data.train_file`, `data.validation_file`); without a validation split,
+    `data.validation_split_percentage` of train is held out (seed 0)."""
+    from datasets import load_dataset
+
+    if data.dataset_name is not None:
+        raw = load_dataset(
+            data.dataset_name, data.dataset_config_name, cache_dir=model.cache_dir, token=model.token
+        )
+    else:
+        files = {"train": data.train_file}
+        if data.validation_file:
+            files["validation"] = data.validation_file
+        builder, options = data_files_builder(files)
+        raw = load_dataset(builder, data_files=files, cache_dir=model.cache_dir, **options)
+    if "validation" not in raw and "validation_matched" in raw:  # GLUE MNLI
+        raw["validation"] = raw["validation_matched"]
+    if "validation" not in raw:
+        split = raw["train"].train_test_split(
+            test_size=data.validation_split_percentage / 100, seed=0, shuffle=shuffle_split
+        )
+        raw["train"], raw["validation"] = split["train"], split["test"]
+    return raw
+
+
+def train_and_evaluate(trainer: Any, training_args: Any, train_dataset: Any, eval_dataset: Any,
+                       extra_eval: Any = None) -> dict[str, float]:  # fmt: skip
+    """Train (resuming if asked), save model, metrics and state; evaluate; as transformers'
+    example scripts do. `extra_eval(metrics)` adds figures to the eval metrics (e.g. perplexity)."""
+    metrics: dict[str, float] = {}
+    if training_args.do_train:
+        result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
+        metrics.update(result.metrics)
+        metrics["train_samples"] = len(train_dataset)
+        trainer.save_model()
+        trainer.log_metrics("train", result.metrics)
+        trainer.save_metrics("train", result.metrics)
+        trainer.save_state()
+    if training_args.do_eval:
+        eval_metrics = trainer.evaluate()
+        eval_metrics["eval_samples"] = len(eval_dataset)
+        if extra_eval is not None:
+            extra_eval(eval_metrics)
+        trainer.log_metrics("eval", eval_metrics)
+        trainer.save_metrics("eval", eval_metrics)
+        metrics.update(eval_metrics)
+    return metrics

@@ -10,7 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from .events import EVENT_LOG_NAME, read_run_events
+from .events import EVENT_LOG_NAME, read_run_events, train_log_series
 from .telemetry import BUCKETS, MAX_EXP, MIN_EXP, bucket_index
 
 __all__ = ["add_report_arguments", "make_report"]
@@ -23,23 +23,17 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _series(events: list[dict[str, Any]]) -> dict[str, Any]:
-    steps, scales, losses, skipped_at, evals = [], [], [], [], []
-    last_skipped = 0
-    for e in events:
-        if e.get("event") != "log":
-            continue
-        if "eval_loss" in e:
-            evals.append((e["step"], e["eval_loss"]))
-        elif "loss" in e:
-            steps.append(e["step"])
-            losses.append(e["loss"])
-            scales.append(e.get("loss_scale"))
-            skipped = int(e.get("skipped_steps", 0))
-            if skipped > last_skipped:
-                skipped_at.append(e["step"])
-            last_skipped = skipped
-    return {"steps": steps, "scales": scales, "losses": losses, "skipped_at": skipped_at, "evals": evals}
+def plot_scale(ax, steps: list[int], scales: list[float | None], skipped_at: list[int], **style: Any) -> bool:
+    """The loss scale per step (log2 axis) with skipped steps marked x; False if there is no scale."""
+    points = [(s, v) for s, v in zip(steps, scales, strict=True) if v is not None]
+    if not points:
+        return False
+    ax.step(*zip(*points, strict=True), where="post", **style)
+    marks = [(s, v) for s, v in points if s in set(skipped_at)]
+    if marks:
+        ax.scatter(*zip(*marks, strict=True), marker="x", color=style.get("color", "red"), zorder=3)
+    ax.set_yscale("log", base=2)
+    return True
 
 
 def _heatmap(ax, snapshots: list[dict[str, Any]], title: str) -> None:
@@ -90,7 +84,8 @@ def make_report(run_dir: str | Path, output_dir: str | Path | None = None) -> di
     events = read_run_events(log)
     out = Path(output_dir) if output_dir is not None else run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
-    series = _series(events)
+    series = train_log_series(events)
+    evals = [(e["step"], e["eval_loss"]) for e in events if e.get("event") == "log" and "eval_loss" in e]
     start = next((e for e in events if e.get("event") == "run_start"), {})
     end = next((e for e in reversed(events) if e.get("event") == "run_end"), None)
     grads = [e for e in events if e.get("event") == "telemetry" and e.get("source") == "param_grads"]
@@ -101,18 +96,14 @@ def make_report(run_dir: str | Path, output_dir: str | Path | None = None) -> di
     written = []
 
     fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7.5, 6), sharex=True)
-    points = [(s, v) for s, v in zip(series["steps"], series["scales"], strict=True) if v is not None]
-    if points:
-        ax1.step(*zip(*points, strict=True), where="post", label="loss scale")
-        marks = [(s, v) for s, v in points if s in set(series["skipped_at"])]
-        if marks:
-            ax1.scatter(*zip(*marks, strict=True), marker="x", color="red", zorder=3, label="skipped step")
-        ax1.set_yscale("log", base=2)
+    if plot_scale(
+        ax1, series["steps"], series["scales"], series["skipped_at"], label="loss scale (x = skipped)"
+    ):
         ax1.legend(fontsize=8)
     ax1.set_ylabel("loss scale")
     ax2.plot(series["steps"], series["losses"], label="train loss")
-    if series["evals"]:
-        ax2.plot(*zip(*series["evals"], strict=True), marker="o", label="eval loss")
+    if evals:
+        ax2.plot(*zip(*evals, strict=True), marker="o", label="eval loss")
     ax2.set_xlabel("optimizer step")
     ax2.set_ylabel("loss")
     ax2.legend(fontsize=8)

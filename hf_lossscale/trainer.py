@@ -443,7 +443,7 @@ class LossScaleMixin:
             or self._overflow_diagnoses >= self.max_overflow_diagnoses
         ):
             return
-        # The Trainer reads this flag right after, for the LR scheduler: no extra sync per step.
+        # The Trainer reads this flag right after for the LR scheduler; LossScaledOptimizer reads it once.
         if not self.accelerator.optimizer_step_was_skipped:
             return
         self._overflow_diagnoses += 1

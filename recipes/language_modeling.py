@@ -28,14 +28,11 @@ from __future__ import annotations
 
 import logging
 import math
-import sys
 from dataclasses import dataclass, field
 from itertools import chain
 
 import datasets
 import torch
-import transformers
-from datasets import load_dataset
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -43,12 +40,17 @@ from transformers import (
     AutoTokenizer,
     DataCollatorForLanguageModeling,
     default_data_collator,
-    set_seed,
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 from hf_lossscale import LossScaleTrainer, LossScaleTrainingArguments
-from hf_lossscale.recipe_args import ModelArguments, data_files_builder, make_parser, parse_args
+from hf_lossscale.recipe_args import (
+    ModelArguments,
+    load_raw_datasets,
+    make_parser,
+    setup_run,
+    train_and_evaluate,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -110,25 +112,6 @@ class DataTrainingArguments:
             )
 
 
-def load_raw(data: DataTrainingArguments, model: ModelArguments) -> datasets.DatasetDict:
-    if data.dataset_name is not None:
-        raw = load_dataset(
-            data.dataset_name, data.dataset_config_name, cache_dir=model.cache_dir, token=model.token
-        )
-    else:
-        files = {"train": data.train_file}
-        if data.validation_file:
-            files["validation"] = data.validation_file
-        builder, options = data_files_builder(files)
-        raw = load_dataset(builder, data_files=files, cache_dir=model.cache_dir, **options)
-    if "validation" not in raw:
-        split = raw["train"].train_test_split(
-            test_size=data.validation_split_percentage / 100, seed=0, shuffle=False
-        )
-        raw["train"], raw["validation"] = split["train"], split["test"]
-    return raw
-
-
 class _EvalFixedMasking:
     """MLM collator that masks training batches afresh but leaves pre-masked (evaluation) blocks as
     they are, so every evaluation of every run scores the very same masked tokens."""
@@ -165,18 +148,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = make_parser(
         ModelArguments, DataTrainingArguments, LossScaleTrainingArguments, description=__doc__
     )
-    model_args, data_args, training_args = parse_args(parser, argv)
-    logging.basicConfig(
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO, stream=sys.stdout
-    )
-    transformers.utils.logging.set_verbosity(training_args.get_process_log_level())
-    if not (training_args.do_train or training_args.do_eval):
-        raise ValueError("Nothing to do: pass --do_train and/or --do_eval.")
-    if not training_args.do_train:
-        logger.warning("--do_train not given: evaluating the model as loaded, without training.")
-    set_seed(training_args.seed)
+    model_args, data_args, training_args = setup_run(parser, argv)
 
-    raw = load_raw(data_args, model_args)
+    raw = load_raw_datasets(data_args, model_args, shuffle_split=False)
     hub = model_args.hub_kwargs()
     config = AutoConfig.from_pretrained(model_args.config_name or model_args.model_name_or_path, **hub)
     causal = data_args.objective == "clm"
@@ -260,26 +234,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         data_collator=collator,
     )
 
-    metrics: dict[str, float] = {}
-    if training_args.do_train:
-        result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-        metrics.update(result.metrics)
-        metrics["train_samples"] = len(train_dataset)
-        trainer.save_model()
-        trainer.log_metrics("train", result.metrics)
-        trainer.save_metrics("train", result.metrics)
-        trainer.save_state()
-    if training_args.do_eval:
-        eval_metrics = trainer.evaluate()
-        eval_metrics["eval_samples"] = len(eval_dataset)
+    def add_perplexity(eval_metrics: dict[str, float]) -> None:
         try:
             eval_metrics["perplexity"] = math.exp(eval_metrics["eval_loss"])
         except OverflowError:
             eval_metrics["perplexity"] = float("inf")
-        trainer.log_metrics("eval", eval_metrics)
-        trainer.save_metrics("eval", eval_metrics)
-        metrics.update(eval_metrics)
-    return metrics
+
+    return train_and_evaluate(trainer, training_args, train_dataset, eval_dataset, add_perplexity)
 
 
 if __name__ == "__main__":

@@ -27,26 +27,29 @@ local path, so nothing is fetched from the Hub.
 from __future__ import annotations
 
 import logging
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import datasets
 import evaluate
 import numpy as np
-import transformers
-from datasets import ClassLabel, load_dataset
+from datasets import ClassLabel
 from transformers import (
     AutoConfig,
     AutoModelForSequenceClassification,
     AutoTokenizer,
     DataCollatorWithPadding,
     default_data_collator,
-    set_seed,
 )
 
 from hf_lossscale import LossScaleTrainer, LossScaleTrainingArguments
-from hf_lossscale.recipe_args import ModelArguments, data_files_builder, make_parser, parse_args
+from hf_lossscale.recipe_args import (
+    ModelArguments,
+    load_raw_datasets,
+    make_parser,
+    setup_run,
+    train_and_evaluate,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -116,25 +119,6 @@ class DataTrainingArguments:
             raise ValueError(
                 f"--validation_split_percentage must be in (0, 100), got {self.validation_split_percentage}."
             )
-
-
-def load_raw(data: DataTrainingArguments, model: ModelArguments) -> datasets.DatasetDict:
-    if data.dataset_name is not None:
-        raw = load_dataset(
-            data.dataset_name, data.dataset_config_name, cache_dir=model.cache_dir, token=model.token
-        )
-        if data.dataset_config_name == "mnli":
-            raw["validation"] = raw["validation_matched"]
-    else:
-        files = {"train": data.train_file}
-        if data.validation_file:
-            files["validation"] = data.validation_file
-        builder, options = data_files_builder(files)
-        raw = load_dataset(builder, data_files=files, cache_dir=model.cache_dir, **options)
-    if "validation" not in raw:
-        split = raw["train"].train_test_split(test_size=data.validation_split_percentage / 100, seed=0)
-        raw["train"], raw["validation"] = split["train"], split["test"]
-    return raw
 
 
 def text_columns(data: DataTrainingArguments, train: datasets.Dataset) -> tuple[str, str | None]:
@@ -212,18 +196,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     parser = make_parser(
         ModelArguments, DataTrainingArguments, LossScaleTrainingArguments, description=__doc__
     )
-    model_args, data_args, training_args = parse_args(parser, argv)
-    logging.basicConfig(
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s", level=logging.INFO, stream=sys.stdout
-    )
-    transformers.utils.logging.set_verbosity(training_args.get_process_log_level())
-    if not (training_args.do_train or training_args.do_eval):
-        raise ValueError("Nothing to do: pass --do_train and/or --do_eval.")
-    if not training_args.do_train:
-        logger.warning("--do_train not given: evaluating the model as loaded, without training.")
-    set_seed(training_args.seed)
+    model_args, data_args, training_args = setup_run(parser, argv)
 
-    raw = load_raw(data_args, model_args)
+    raw = load_raw_datasets(data_args, model_args)
     first, second = text_columns(data_args, raw["train"])
     labels = label_names(data_args, raw)
     label_to_id = {name: i for i, name in enumerate(labels)}
@@ -293,22 +268,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         compute_metrics=build_metrics(data_args, len(labels)),
     )
 
-    metrics: dict[str, float] = {}
-    if training_args.do_train:
-        result = trainer.train(resume_from_checkpoint=training_args.resume_from_checkpoint)
-        metrics.update(result.metrics)
-        metrics["train_samples"] = len(train_dataset)
-        trainer.save_model()
-        trainer.log_metrics("train", result.metrics)
-        trainer.save_metrics("train", result.metrics)
-        trainer.save_state()
-    if training_args.do_eval:
-        eval_metrics = trainer.evaluate()
-        eval_metrics["eval_samples"] = len(eval_dataset)
-        trainer.log_metrics("eval", eval_metrics)
-        trainer.save_metrics("eval", eval_metrics)
-        metrics.update(eval_metrics)
-    return metrics
+    return train_and_evaluate(trainer, training_args, train_dataset, eval_dataset)
 
 
 if __name__ == "__main__":

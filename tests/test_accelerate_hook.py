@@ -168,3 +168,11 @@ def test_engines_that_own_their_scaler_are_refused(engine):
     fake = SimpleNamespace(distributed_type=getattr(DistributedType, engine))
     with pytest.raises(RuntimeError, match="owns its loss scaler.*fp16` section"):
         install_loss_scaler(fake)
+
+
+def test_skip_flag_is_read_once_per_step():
+    from sync_count import count_reads
+
+    acc, scaler, model, opt, history = run("before", "adamw_fused", steps=3, bad=(2,))
+    assert count_reads(lambda: [opt.step_was_skipped for _ in range(3)]) == 0  # read when run() asked
+    assert opt.step_was_skipped is True and acc.optimizer_step_was_skipped is True

@@ -189,3 +189,17 @@ def test_demo_command_is_offline_and_real(tmp_path):
     assert "--train_file" not in custom and custom.count("--model_name_or_path") == 1
     with pytest.raises(SystemExit, match="ships in the source tree"):
         main(["--recipe", str(tmp_path / "missing.py")])
+
+
+def test_following_a_log_reads_only_what_was_appended(tmp_path):
+    from hf_lossscale.events import read_new_events
+
+    path = tmp_path / "log.jsonl"
+    assert read_new_events(path, 0) == ([], 0)
+    path.write_text('{"event": "a"}\n{"event": "b"')  # the second line is still being written
+    events, offset = read_new_events(path, 0)
+    assert [e["event"] for e in events] == ["a"]
+    with open(path, "a") as f:
+        f.write('}\n{"event": "c"}\n')
+    events, offset = read_new_events(path, offset)
+    assert [e["event"] for e in events] == ["b", "c"] and read_new_events(path, offset) == ([], offset)
