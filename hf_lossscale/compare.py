@@ -35,6 +35,8 @@ SETTINGS: dict[str, str] = {
     "static": "FP16 + static scale",
     "off": "FP16, scaling off",
 }
+#: Each run's record (command, exit status, wall time), written when it ends; `--reuse_finished` reads it.
+RUN_RECORD = "run.json"
 #: Flags the runner sets itself; a script argument naming one of them is an error.
 OWNED_FLAGS = (
     "--fp16",
@@ -182,9 +184,6 @@ def run_one(
     script: str, setting: str, seed: int, opts: argparse.Namespace, script_args: list[str], out: Path
 ) -> RunResult:
     run_dir = out / "runs" / f"{setting}-seed{seed}"
-    if run_dir.exists():
-        shutil.rmtree(run_dir)  # the runner owns this folder: a stale log must not mix in
-    run_dir.mkdir(parents=True)
     flags = [
         "--output_dir", str(run_dir),
         "--seed", str(seed),
@@ -199,6 +198,15 @@ def run_one(
     result = RunResult(setting=setting, seed=seed, output_dir=str(run_dir), command=command)
     log_path = run_dir / "run.log"
     events_path = run_dir / "loss_scale_log.jsonl"
+    record_path = run_dir / RUN_RECORD
+    if getattr(opts, "reuse_finished", False) and _finished_with(record_path, command):
+        print(f"[{setting:>7} seed {seed}] reusing the finished run in {run_dir} (same command)", flush=True)
+        result.wall_s = json.loads(record_path.read_text())["wall_s"]
+        result.returncode = 0
+        return _finish(result, events_path, log_path)
+    if run_dir.exists():
+        shutil.rmtree(run_dir)  # the runner owns this folder: a stale log must not mix in
+    run_dir.mkdir(parents=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     print(f"[{setting:>7} seed {seed}] {shlex.join(command)}", flush=True)
     start = time.perf_counter()
@@ -217,13 +225,29 @@ def run_one(
             time.sleep(0.5)
     result.wall_s = time.perf_counter() - start
     result.returncode = proc.returncode
+    record = {"command": command, "returncode": proc.returncode, "wall_s": result.wall_s}
+    record_path.write_text(json.dumps(record, indent=1))
+    return _finish(result, events_path, log_path)
+
+
+def _finished_with(record_path: Path, command: list[str]) -> bool:
+    """Whether the run behind `record_path` exited 0 and was started with exactly `command`."""
+    try:
+        record = json.loads(record_path.read_text())
+    except (OSError, ValueError):
+        return False
+    return record.get("command") == command and record.get("returncode") == 0
+
+
+def _finish(result: RunResult, events_path: Path, log_path: Path) -> RunResult:
     parse_events(result, read_run_events(events_path))
     if result.status != "collapsed":
-        result.status = "ok" if proc.returncode == 0 and result.eval_loss is not None else "failed"
+        result.status = "ok" if result.returncode == 0 and result.eval_loss is not None else "failed"
     if result.status == "failed":
         tail = log_path.read_text(errors="replace").strip().splitlines()[-15:]
         result.error = result.error or "\n".join(tail)
-        print(f"[{setting:>7} seed {seed}] FAILED (exit {proc.returncode}); see {log_path}:", file=sys.stderr)
+        tag = f"[{result.setting:>7} seed {result.seed}]"
+        print(f"{tag} FAILED (exit {result.returncode}); see {log_path}:", file=sys.stderr)
         print("\n".join(tail), file=sys.stderr)
     return result
 
@@ -234,7 +258,12 @@ def _fraction(probe: dict[str, Any] | None) -> str:
         return "—"
     if probe["overflow"]:
         return "overflow (inf/NaN)"
-    return f"{probe['flushed_fraction']:.2%}"
+    return percent(probe["flushed_fraction"])
+
+
+def percent(x: float) -> str:
+    """A fraction as a percentage that never rounds a small non-zero value to 0."""
+    return f"{x:.2%}" if x == 0 or x >= 1e-4 else f"{100 * x:.1e}%"
 
 
 def _mean(values: list[float]) -> float:
@@ -329,7 +358,7 @@ def _failure_mode(row: dict[str, Any], runs: list[RunResult]) -> str:
         r.flushed_end["flushed_fraction"] for r in runs if r.flushed_end and not r.flushed_end["overflow"]
     ]
     lost = (
-        f" while flushing {min(flushed):.0%}-{max(flushed):.0%} of gradient elements to zero by the end"
+        f" while flushing {percent(min(flushed))}-{percent(max(flushed))} of gradient elements to zero by the end"
         if flushed
         else ""
     )
@@ -526,6 +555,10 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--first_seed_only", default="",
                         help="Comma-separated settings run with the first seed only (e.g. 'static', whose "
                         "overflow storm needs no noise estimate).")  # fmt: skip
+    parser.add_argument("--reuse_finished", action="store_true",
+                        help="Keep a run that already finished (exit 0) in OUTPUT_DIR/runs with the same command "
+                        "instead of rerunning it: resume an interrupted comparison, or run seeds in parallel "
+                        "into one OUTPUT_DIR and summarise them together.")  # fmt: skip
     parser.add_argument("--no_flushed_probe", dest="flushed_probe", action="store_false",
                         help="Skip the flushed-fraction measurement of each FP16 run.")  # fmt: skip
 

