@@ -158,6 +158,7 @@ def build_command(name: str, opts: argparse.Namespace, extra: list[str]) -> list
         "--output_dir", str(opts.output_dir or Path("runs/reproduce") / name),
         *(["--first_seed_only", "static"] if "static" in settings else []),
         *(["--reuse_finished"] if opts.reuse_finished else []),
+        *(["--launch_config", opts.launch_config] if opts.launch_config else []),
         "--",
         *_override(script_args, extra),
     ]  # fmt: skip
@@ -221,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("benchmark", choices=[*BENCHMARKS, "table"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--launch_config", default=None,
+                        help="Passed to hf-lossscale compare (e.g. recipes/configs/single_gpu_fp16.yaml).")  # fmt: skip
     parser.add_argument(
         "--max_steps", type=int, default=None, help="Default: the benchmark's (one epoch for sst2)."
     )
