@@ -34,6 +34,7 @@ def options(**kw):
         output_dir=None,
         reuse_finished=False,
         max_steps=None,
+        launch_config=None,
     )
     return argparse.Namespace(**{**base, **kw})
 
