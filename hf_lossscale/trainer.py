@@ -239,6 +239,19 @@ def deepspeed_scale_figures(engine: Any) -> dict[str, float]:
     return out
 
 
+def loss_ignores_num_items(model: torch.nn.Module) -> bool:
+    """Whether `type(model).forward` computes a loss without `num_items_in_batch` (read from its
+    source: it names neither `num_items_in_batch` nor `self.loss_function`, which takes it). False
+    when the source cannot be read; a wrong True only restores the Trainer's per-micro-batch mean."""
+    import inspect
+
+    try:
+        source = inspect.getsource(type(model).forward)
+    except (OSError, TypeError):
+        return False
+    return "num_items_in_batch" not in source and "loss_function" not in source
+
+
 class LossScaleMixin:
     """Put a `DynamicLossScaler` in charge of any `Trainer` subclass's FP16 training.
 
@@ -277,6 +290,39 @@ class LossScaleMixin:
         self._overflow_diagnoses = 0
         super().__init__(*args, **kwargs)
         self.add_callback(_OverflowDiagnosis(self))
+        self._check_loss_normalisation()
+
+    def _check_loss_normalisation(self) -> None:
+        """Gradient accumulation must not multiply the gradients (and with them what FP16 sees).
+
+        The Trainer skips its division by `gradient_accumulation_steps` for a model whose `forward`
+        takes `**kwargs`, trusting it to divide by `num_items_in_batch` itself. Some models take
+        `**kwargs` and compute a plain mean loss (transformers 5.24's `BertForMaskedLM`): their
+        gradients and logged loss then come out `gradient_accumulation_steps` times too large. For
+        such a model, tell the Trainer so: it then divides each micro-batch's loss as before 4.46."""
+        if (
+            not getattr(self, "model_accepts_loss_kwargs", False)
+            or self.args.gradient_accumulation_steps == 1
+        ):
+            return
+        if (
+            getattr(self, "compute_loss_func", None) is not None
+            or getattr(self, "loss_is_scaled_for_ga", None) is not None
+        ):
+            return  # the user decided how the loss is normalised
+        if type(self).compute_loss is not Trainer.compute_loss:
+            return  # a subclass computes its own loss and may use num_items_in_batch
+        model = self.accelerator.unwrap_model(self.model)
+        if getattr(model, "accepts_loss_kwargs", None) is not None or not loss_ignores_num_items(model):
+            return
+        self.model_accepts_loss_kwargs = False
+        logger.warning(
+            "%s.forward takes **kwargs but computes its loss without num_items_in_batch: the Trainer would "
+            "sum the %d micro-batch losses of each step instead of averaging them (gradients and logged loss "
+            "x%d). Dividing each micro-batch's loss by gradient_accumulation_steps instead "
+            "(trainer.model_accepts_loss_kwargs = False).",
+            type(model).__name__, self.args.gradient_accumulation_steps, self.args.gradient_accumulation_steps,
+        )  # fmt: skip
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -186,6 +187,10 @@ def test_language_modeling_runs_and_reports_perplexity(tmp_path, tiny_model, obj
     assert metrics["perplexity"] == pytest.approx(2.718281828 ** metrics["eval_loss"], rel=1e-6)
     probes = [e for e in events(out) if e["event"] == "flushed_probe"]
     assert [p["when"] for p in probes] == ["start", "end"] and probes[0]["loss_divisor"] == 2
+    # The logged loss is the mean over the accumulated micro-batches, not their sum (x2): about
+    # ln(vocabulary) for an untrained head, in both objectives.
+    first = next(e["loss"] for e in events(out) if e["event"] == "log" and "loss" in e)
+    assert 0.7 < first / math.log(30522) < 1.4, first
     from transformers import AutoConfig
 
     assert AutoConfig.from_pretrained(out).is_decoder is (objective == "clm")

@@ -300,3 +300,50 @@ def test_event_log_records_a_collapse_and_appends_on_rerun(tmp_path):
     train(tmp_path)  # a second run into the same folder appends; the reader takes the latest run
     assert sum(e["event"] == "run_start" for e in read_events(path)) == 2
     assert read_run_events(path)[-1]["event"] == "run_end"
+
+
+def test_accumulated_loss_is_averaged_for_models_that_ignore_num_items(tmp_path):
+    """transformers 5.24's BertForMaskedLM takes **kwargs but computes a plain mean loss: left to the
+    Trainer, its gradients under accumulation would be the sum of the micro-batches'. The mixin
+    makes the Trainer divide instead; a model that uses num_items_in_batch is left alone."""
+    from transformers import BertConfig, BertForMaskedLM, BertLMHeadModel
+
+    from hf_lossscale.trainer import loss_ignores_num_items
+
+    config = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                        intermediate_size=32, is_decoder=True, hidden_dropout_prob=0.0,
+                        attention_probs_dropout_prob=0.0)  # fmt: skip
+    mlm, clm = (
+        BertForMaskedLM(config.__class__(**{**config.to_dict(), "is_decoder": False})),
+        BertLMHeadModel(config),
+    )
+    assert loss_ignores_num_items(mlm) and not loss_ignores_num_items(clm)
+
+    def trainer(model, accumulation, **kw):
+        args = TrainingArguments(output_dir=str(tmp_path), gradient_accumulation_steps=accumulation,
+                                 report_to=[], use_cpu=True)  # fmt: skip
+        return LossScaleTrainer(model=model, args=args, **kw)
+
+    assert trainer(mlm, 4).model_accepts_loss_kwargs is False
+    assert trainer(clm, 4).model_accepts_loss_kwargs is True
+    assert trainer(mlm, 1).model_accepts_loss_kwargs is True  # nothing to divide
+    own = trainer(mlm, 4, compute_loss_func=lambda outputs, labels, num_items_in_batch: outputs.loss)
+    assert own.model_accepts_loss_kwargs is True  # the user's loss function decides
+
+    # The gradient of one accumulated step equals that of the whole batch at once.
+    torch.manual_seed(0)
+    ids = torch.randint(5, 64, (4, 8))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    reference = BertForMaskedLM(mlm.config)
+    reference.load_state_dict(mlm.state_dict())
+    reference(**batch).loss.backward()
+    t = trainer(mlm, 4)
+    t.current_gradient_accumulation_steps = 4  # as the training loop sets it
+    model = t.model
+    model.zero_grad()
+    for i in range(4):
+        micro = {k: v[i : i + 1] for k, v in batch.items()}
+        t.training_step(model, micro, num_items_in_batch=torch.tensor(32))
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        if q.grad is not None:
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
