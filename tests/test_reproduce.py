@@ -128,6 +128,9 @@ def test_table_rows_and_readme_block(tmp_path):
     written = readme.read_text()
     assert written.startswith("intro\n") and written.endswith(f"{table.END}\nafter\n")
     assert "old" not in written and "| FP16, scaling off | emulated | 1 | 88.50 |" in written
+    headline = table.render_headline(tmp_path)
+    assert "| `sst2` | accuracy % | 90.00 / 90.50 | 90.20 / 89.90 (2/200 steps skipped) ✓ | " in headline
+    assert "| 88.00 / 88.50 (2/200 steps skipped) ✗ | — |" in headline
     readme.write_text("no markers")
     with pytest.raises(SystemExit, match="results:start"):
         table.write_readme(readme, "x")

@@ -176,6 +176,12 @@ def _override(args: list[str], new: list[str]) -> list[str]:
     return [*out, *new]
 
 
+def reproducing_command(own: list[str]) -> str:
+    """This script's command line as a reader would retype it: `--reuse_finished` (which only
+    skips runs already made) left out."""
+    return "python benchmarks/reproduce/run.py " + shlex.join(a for a in own if a != "--reuse_finished")
+
+
 def compact(metrics: dict, name: str, results_name: str, command: str, wall_s: float) -> dict:
     """What the README table needs from the runner's metrics.json (not the per-step history)."""
     runs = []
@@ -251,12 +257,13 @@ def main(argv: list[str] | None = None) -> int:
     opts = parser.parse_args(own)
     if opts.benchmark == "table":
         sys.path.insert(0, str(HERE))
-        from table import render_tables, write_readme  # beside this file
+        from table import HEADLINE, render_headline, render_tables, write_readme  # beside this file
 
         tables = render_tables(RESULTS)
         if opts.write:
             write_readme(HERE / "README.md", tables)
-            print(f"Updated {HERE / 'README.md'}")
+            write_readme(ROOT / "README.md", render_headline(RESULTS), *HEADLINE)
+            print(f"Updated {HERE / 'README.md'} and {ROOT / 'README.md'}")
         else:
             print(tables)
         return 0
@@ -279,7 +286,9 @@ def main(argv: list[str] | None = None) -> int:
         RESULTS.mkdir(exist_ok=True)
         name = opts.results_name or opts.benchmark
         path = RESULTS / f"{name}.json"
-        path.write_text(json.dumps(compact(metrics, opts.benchmark, name, shown, wall), indent=1) + "\n")
+        result = compact(metrics, opts.benchmark, name, shown, wall)
+        result["run_command"] = reproducing_command(own)
+        path.write_text(json.dumps(result, indent=1) + "\n")
         print(f"Wrote {path}")
     return status
 

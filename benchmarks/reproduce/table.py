@@ -19,6 +19,7 @@ LABELS = {
     "off": "FP16, scaling off",
 }
 START, END = "<!-- results:start -->", "<!-- results:end -->"
+HEADLINE = "<!-- headline:start -->", "<!-- headline:end -->"
 
 
 def headline(result: dict) -> tuple[str, bool]:
@@ -87,9 +88,9 @@ def render(result: dict) -> str:
     lines = [
         f"### `{result['benchmark']}`: {result['what']}",
         "",
-        f"Command (wall time {result['wall_s'] / 60:.0f} min on {result['machine']}):",
-        "",
-        f"    {result['command']}",
+        f"`{result.get('run_command', result['command'])}` on {result['machine']}; the runs took "
+        f"{sum(r['wall_s'] for r in result['runs']) / 60:.0f} min in all. The `hf-lossscale compare` command it "
+        f"runs is in `results/{result['benchmark']}.json`.",
         "",
         f"| Setting | FP16 | seed | {shown} | "
         + ("eval loss | " if metric != "eval_loss" else "perplexity | ")
@@ -130,10 +131,46 @@ def render_tables(folder: Path) -> str:
     return "\n".join(render(json.loads(p.read_text())) for p in files)
 
 
-def write_readme(readme: Path, tables: str) -> None:
+def render_headline(folder: Path) -> str:
+    """One row per benchmark for the project README: each setting's headline metric per seed."""
+    lines = [
+        "| benchmark | metric | FP32 | FP16 + dynamic scaling | FP16, scaling off | FP16 + static 2^24 |",
+        "|---|---|---|---|---|---|",
+    ]
+    files = sorted(Path(folder).glob("*.json"), key=lambda p: (p.stem != "sst2", p.stem))
+    for path in files:
+        result = json.loads(path.read_text())
+        metric, _ = headline(result)
+        cells = []
+        for setting in ("fp32", "dynamic", "off", "static"):
+            values = _values(result, setting, metric)
+            runs = [r for r in result["runs"] if r["setting"] == setting]
+            cell = " / ".join(_fmt(metric, v) for v in values) or "—"
+            if setting != "fp32" and runs:
+                skipped = sum(r["skipped_steps"] or 0 for r in runs)
+                total = sum(r["total_steps"] or 0 for r in runs)
+                if skipped:
+                    cell += f" ({skipped}/{total} steps skipped)"
+            verdict = next((v for v in verdicts(result) if v["setting"] == setting), None)
+            if verdict and setting != "static":
+                cell += " ✓" if verdict["within"] else " ✗"
+            cells.append(cell)
+        shown = "accuracy %" if metric == "eval_accuracy" else "eval loss"
+        lines.append(f"| `{result['benchmark']}` | {shown} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        "Values per seed (seeds 0 / 1). ✓: the mean is within noise of FP32's — for accuracy within FP32's "
+        "seed-to-seed spread or 1 point, whichever is wider; for a loss within the largest seed-to-seed spread "
+        "of any setting. ✗: outside it.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_readme(readme: Path, tables: str, start: str = START, end: str = END) -> None:
+    """Replace the block between `start` and `end` in `readme` with `tables`."""
     text = readme.read_text()
-    if START not in text or END not in text:
-        raise SystemExit(f"{readme} has no {START} ... {END} block to replace.")
-    head, rest = text.split(START, 1)
-    _, tail = rest.split(END, 1)
-    readme.write_text(f"{head}{START}\n\n{tables}\n{END}{tail}")
+    if start not in text or end not in text:
+        raise SystemExit(f"{readme} has no {start} ... {end} block to replace.")
+    head, rest = text.split(start, 1)
+    _, tail = rest.split(end, 1)
+    readme.write_text(f"{head}{start}\n\n{tables}\n{end}{tail}")
