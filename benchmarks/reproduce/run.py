@@ -193,6 +193,7 @@ def compact(metrics: dict, name: str, results_name: str, command: str, wall_s: f
             "total_steps": r["total_steps"], "final_scale": r["final_scale"],
             "flushed_start": (r["flushed_start"] or {}).get("flushed_fraction"),
             "flushed_end": (r["flushed_end"] or {}).get("flushed_fraction"),
+            "overflow_start": (r["flushed_start"] or {}).get("overflow"),
             "overflow_end": (r["flushed_end"] or {}).get("overflow"),
             "train_runtime_s": r["train_runtime_s"], "wall_s": r["wall_s"], "command": r["command"],
         })  # fmt: skip

@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from pathlib import Path
 
@@ -102,12 +103,13 @@ def render(result: dict) -> str:
         ev = r["final_eval"]
         value = _fmt(metric, ev[metric]) if metric in ev else r["status"]
         second = (f"{ev['eval_loss']:.4f}" if "eval_loss" in ev else "—") if metric != "eval_loss" else (
-            f"{ev['perplexity']:.2f}" if "perplexity" in ev else "—")  # fmt: skip
+            f"{math.exp(ev['eval_loss']):.1f}" if "eval_loss" in ev else "—")  # fmt: skip
         skipped = "—" if r["skipped_steps"] is None else f"{r['skipped_steps']}/{r['total_steps']}"
+        flushed_start = "overflow" if r.get("overflow_start") else _pct(r["flushed_start"])
         flushed_end = "overflow" if r.get("overflow_end") else _pct(r["flushed_end"])
         lines.append(
             f"| {LABELS.get(r['setting'], r['setting'])} | {r['fp16'] or '—'} | {r['seed']} | {value} | {second} | "
-            f"{skipped} | {_scale(r['final_scale'])} | {_pct(r['flushed_start'])} | {flushed_end} | "
+            f"{skipped} | {_scale(r['final_scale'])} | {flushed_start} | {flushed_end} | "
             f"{r['wall_s'] / 60:.1f} min |"
         )
     lines.append("")
