@@ -6,11 +6,12 @@
 # WHEEL_DIR (default ./wheels) holds the wheels brought along (`pip download` them on a machine with
 # network: the CUDA torch build, and `pip wheel -w wheels .[dev]` for the rest). The script installs
 # from them only, then writes everything to benchmarks/results/gpu_check.txt:
-#   1. the CUDA-only tests (pytest -m cuda);
-#   2. no host sync on the fused path: torch.cuda.set_sync_debug_mode("error") around scale/unscale/
-#      step/update with fused AdamW (benchmarks/gpu_check.py);
-#   3. fp16_emulation(policy="cuda") against real CUDA autocast: flushed fractions on MiniLM-L6;
-#   4. the step-overhead benchmark with absolute times.
+#   1. the CUDA-only tests (pytest -m cuda), among them no host sync on the fused path:
+#      torch.cuda.set_sync_debug_mode("error") around scale/unscale/step/update with fused AdamW,
+#      telemetry every step and one overflowing step;
+#   2. fp16_emulation(policy="cuda") against real CUDA autocast: flushed fractions on MiniLM-L6
+#      (benchmarks/gpu_check.py);
+#   3. the step-overhead benchmark with absolute times.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS="${1:-wheels}"
@@ -29,7 +30,7 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
 python -c "import torch; assert torch.cuda.is_available(), 'torch has no CUDA'; print('torch', torch.__version__, torch.cuda.get_device_name())" || exit 1
 status=0
 echo "== 1. CUDA tests =="; timeout 120 python -m pytest -q -m cuda -p no:cacheprovider tests || status=1
-echo "== 2+3. sync debug mode, emulation vs CUDA autocast =="; timeout 90 python benchmarks/gpu_check.py || status=1
-echo "== 4. step overhead (absolute times) =="; timeout 120 python benchmarks/step_overhead.py --repeats 10 || status=1
+echo "== 2. emulation vs CUDA autocast =="; timeout 90 python benchmarks/gpu_check.py || status=1
+echo "== 3. step overhead (absolute times) =="; timeout 120 python benchmarks/step_overhead.py --repeats 10 || status=1
 echo "== done: status $status (results in $OUT and benchmarks/results/*.json) =="
 exit $status

@@ -48,7 +48,7 @@ def test_gpu_check_is_ready():
     import subprocess
 
     script = (BENCH / "gpu_check.sh").read_text()
-    assert "set_sync_debug_mode" in (BENCH / "gpu_check.py").read_text()
+    assert "set_sync_debug_mode" in (BENCH.parent / "tests" / "test_scaler.py").read_text()
     assert "--no-index" in script and "pytest -q -m cuda" in script
     assert subprocess.run(["bash", "-n", str(BENCH / "gpu_check.sh")]).returncode == 0  # parses
     import torch

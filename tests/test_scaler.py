@@ -397,9 +397,11 @@ def test_explicit_cuda_device_without_cuda_is_an_error():
 
 @pytest.mark.cuda
 def test_cuda_fused_path_has_no_sync():
+    """Scale, unscale, fused step and update, with telemetry every step and one overflowing step,
+    under `set_sync_debug_mode("error")` (run by benchmarks/gpu_check.sh)."""
     model = tiny_model().cuda()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
-    scaler = DynamicLossScaler()
+    scaler = DynamicLossScaler(telemetry_interval=1)
     x, y = (t.cuda() for t in batch(0))
     for _ in range(2):  # warm up: lazy init, optimizer state, pinned buffer
         scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
@@ -409,12 +411,16 @@ def test_cuda_fused_path_has_no_sync():
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for _ in range(3):
+        for i in range(3):
             scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+            if i == 1:
+                next(model.parameters()).grad.view(-1)[0] = float("inf")  # a skipped step, still no sync
             scaler.unscale_(opt)
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()
     finally:
         torch.cuda.set_sync_debug_mode(0)
-    assert scaler.stats()["total_steps"] == 5
+    stats = scaler.stats()  # reading syncs, by design, once
+    assert stats["total_steps"] == 5 and stats["skipped_steps"] == 1
+    assert scaler.telemetry.read()["headroom_bits"] is not None
