@@ -25,24 +25,13 @@ import time
 from pathlib import Path
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from hf_lossscale import DynamicLossScaler, LossScaleConfig
+from hf_lossscale._sync_count import count_reads
 from hf_lossscale.telemetry import GradientTelemetry
 
 OPTIMIZERS = ["adamw_foreach", "adamw_fused", "sgd"]
 ROWS = ["no scaler", "GradScaler", "DynamicLossScaler", "DynamicLossScaler min/max/hysteresis", "+ telemetry"]
-
-
-class CountReads(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.count = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten._local_scalar_dense.default:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
 
 
 def make_params(total: float, tensors: int, device: str) -> list[torch.nn.Parameter]:
@@ -79,6 +68,22 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def restore(grads: list[torch.Tensor], saved: list[torch.Tensor]) -> None:
+    """Put the same scaled gradients back before each measured step."""
+    for g, s in zip(grads, saved, strict=True):
+        g.copy_(s)
+
+
+def optimizer_step(scaler, opt) -> None:
+    """One optimizer step, through `scaler` unless it is None."""
+    if scaler is None:
+        opt.step()
+    else:
+        scaler.unscale_(opt)
+        scaler.step(opt)
+        scaler.update()
+
+
 def measure(opts: argparse.Namespace) -> dict:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     params = make_params(opts.params, opts.tensors, device)
@@ -91,17 +96,10 @@ def measure(opts: argparse.Namespace) -> dict:
         scalers = {row: make_scaler(row, device) for row in ROWS[:-1]}
 
         def one_step(row, scalers=scalers, opt=opt):
-            for g, s in zip(grads, saved, strict=True):
-                g.copy_(s)  # the same scaled gradients every time (not timed)
-            scaler = scalers[row]
+            restore(grads, saved)  # not timed
             sync(device)
             t = time.perf_counter()
-            if scaler is None:
-                opt.step()
-            else:
-                scaler.unscale_(opt)
-                scaler.step(opt)
-                scaler.update()
+            optimizer_step(scalers[row], opt)
             sync(device)
             return time.perf_counter() - t
 
@@ -133,29 +131,13 @@ def measure(opts: argparse.Namespace) -> dict:
         }
 
         # host reads per step, minus the bare optimizer's own
-        counts = {}
-        for row in scalers:
-            for g, s in zip(grads, saved, strict=True):
-                g.copy_(s)
-            with CountReads() as counter:
-                scaler = scalers[row]
-                if scaler is None:
-                    opt.step()
-                else:
-                    scaler.unscale_(opt)
-                    scaler.step(opt)
-                    scaler.update()
-            counts[row] = counter.count
         # the same with a telemetry snapshot in the step (interval 1)
         telemetry_scaler = DynamicLossScaler(LossScaleConfig(telemetry_interval=1), device=device)
         telemetry_scaler.scale(torch.ones((), device=device))
-        for g, s in zip(grads, saved, strict=True):
-            g.copy_(s)
-        with CountReads() as counter:
-            telemetry_scaler.unscale_(opt)
-            telemetry_scaler.step(opt)
-            telemetry_scaler.update()
-        counts["+ telemetry"] = counter.count
+        counts = {}
+        for row, scaler in {**scalers, "+ telemetry": telemetry_scaler}.items():
+            restore(grads, saved)
+            counts[row] = count_reads(lambda scaler=scaler, opt=opt: optimizer_step(scaler, opt))
         results["syncs"][kind] = {row: counts[row] - counts["no scaler"] for row in counts}
 
     # the scaler's own part alone (unscale + inf check + update, no optimizer step), interleaved
@@ -166,8 +148,7 @@ def measure(opts: argparse.Namespace) -> dict:
     own: dict[str, list[float]] = {row: [] for row in alone}
     for _ in range(opts.repeats + 1):
         for row, scaler in alone.items():
-            for g, s in zip(grads, saved, strict=True):
-                g.copy_(s)
+            restore(grads, saved)
             sync(device)
             t = time.perf_counter()
             scaler.unscale_(opt)

@@ -171,7 +171,7 @@ def test_engines_that_own_their_scaler_are_refused(engine):
 
 
 def test_skip_flag_is_read_once_per_step():
-    from sync_count import count_reads
+    from hf_lossscale._sync_count import count_reads
 
     acc, scaler, model, opt, history = run("before", "adamw_fused", steps=3, bad=(2,))
     assert count_reads(lambda: [opt.step_was_skipped for _ in range(3)]) == 0  # read when run() asked

@@ -1,4 +1,6 @@
-"""Count host reads of device scalars (`aten._local_scalar_dense`), the CPU proxy of a CUDA sync."""
+"""Count host reads of device scalars (`aten._local_scalar_dense`), the CPU proxy of a CUDA sync:
+how the tests and `benchmarks/step_overhead.py` check that scaling adds none. Not imported by
+`hf_lossscale`."""
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
