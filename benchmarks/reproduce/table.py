@@ -11,24 +11,19 @@ import math
 import statistics
 from pathlib import Path
 
-from hf_lossscale.compare import percent
+from hf_lossscale.compare import SETTINGS, percent, scale_text
 
-LABELS = {
-    "fp32": "FP32",
-    "dynamic": "FP16 + dynamic scaling",
-    "static": "FP16 + static 2^24",
-    "off": "FP16, scaling off",
-}
+LABELS = {**SETTINGS, "static": f"{SETTINGS['static']} 2^24"}  # the benchmarks' static scale
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 HEADLINE = "<!-- headline:start -->", "<!-- headline:end -->"
 
 
-def headline(result: dict) -> tuple[str, bool]:
-    """The metric a benchmark is judged by, and whether higher is better."""
+def headline(result: dict) -> str:
+    """The metric a benchmark is judged by: accuracy where the runs report it, else eval loss."""
     runs = [r for r in result["runs"] if r["status"] == "ok"]
     if runs and "eval_accuracy" in runs[0]["final_eval"]:
-        return "eval_accuracy", True
-    return "eval_loss", False
+        return "eval_accuracy"
+    return "eval_loss"
 
 
 def _values(result: dict, setting: str, metric: str) -> list[float]:
@@ -45,7 +40,7 @@ def verdicts(result: dict) -> list[dict]:
     Accuracy is judged in points with a floor of 1 point (the issue's target: within FP32's
     seed-to-seed spread or 1 point, whichever is wider); a loss against the largest seed spread
     of any setting, as `hf-lossscale compare` does."""
-    metric, _higher = headline(result)
+    metric = headline(result)
     fp32 = _values(result, "fp32", metric)
     out = []
     if not fp32:
@@ -70,21 +65,12 @@ def _pct(x: float | None) -> str:
     return "—" if x is None else percent(x)
 
 
-def _scale(x: float | None) -> str:
-    if x is None:
-        return "—"
-    import math
-
-    e = math.log2(x) if x > 0 else None
-    return f"2^{e:.0f}" if e is not None and e == round(e) else f"{x:g}"
-
-
 def _fmt(metric: str, v: float) -> str:
     return f"{100 * v:.2f}" if metric == "eval_accuracy" else f"{v:.4f}"
 
 
 def render(result: dict) -> str:
-    metric, _ = headline(result)
+    metric = headline(result)
     shown = "accuracy (%)" if metric == "eval_accuracy" else "eval loss"
     lines = [
         f"### `{result['benchmark']}`: {result['what']}",
@@ -109,7 +95,7 @@ def render(result: dict) -> str:
         flushed_end = "overflow" if r.get("overflow_end") else _pct(r["flushed_end"])
         lines.append(
             f"| {LABELS.get(r['setting'], r['setting'])} | {r['fp16'] or '—'} | {r['seed']} | {value} | {second} | "
-            f"{skipped} | {_scale(r['final_scale'])} | {flushed_start} | {flushed_end} | "
+            f"{skipped} | {scale_text(r['final_scale'])} | {flushed_start} | {flushed_end} | "
             f"{r['wall_s'] / 60:.1f} min |"
         )
     lines.append("")
@@ -142,7 +128,7 @@ def render_headline(folder: Path) -> str:
     files = sorted(Path(folder).glob("*.json"), key=lambda p: (p.stem != "sst2", p.stem))
     for path in files:
         result = json.loads(path.read_text())
-        metric, _ = headline(result)
+        metric = headline(result)
         cells = []
         for setting in ("fp32", "dynamic", "off", "static"):
             values = _values(result, setting, metric)
