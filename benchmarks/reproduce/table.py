@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 from pathlib import Path
 
+from hf_lossscale import verdict
 from hf_lossscale.compare import SETTINGS, percent, scale_text
 
 LABELS = {**SETTINGS, "static": f"{SETTINGS['static']} 2^24"}  # the benchmarks' static scale
@@ -35,38 +35,61 @@ def _values(result: dict, setting: str, metric: str) -> list[float]:
 
 
 def verdicts(result: dict) -> list[dict]:
-    """Each FP16 setting's mean gap to FP32 on the headline metric, against FP32's seed spread.
-
-    Accuracy is judged in points with a floor of 1 point (the issue's target: within FP32's
-    seed-to-seed spread or 1 point, whichever is wider); a loss against the largest seed spread
-    of any setting, as `hf-lossscale compare` does."""
+    """Each FP16 setting's paired verdict against FP32 on the headline metric (the rule:
+    `hf_lossscale.verdict.RULES`), with the curve finding, the steps to FP32's final eval loss and
+    the perplexity ratio where the metric is a loss."""
     metric = headline(result)
-    fp32 = _values(result, "fp32", metric)
+    runs = [r for r in result["runs"] if r["status"] == "ok"]
+    if not any(r["setting"] == "fp32" for r in runs):
+        return []
     out = []
-    if not fp32:
-        return out
-    spreads = [max(v) - min(v) for s in LABELS if len(v := _values(result, s, metric)) > 1]
-    if metric == "eval_accuracy":
-        fp32_spread = max(fp32) - min(fp32) if len(fp32) > 1 else 0.0
-        bound, bound_text = max(fp32_spread, 0.01), "max(FP32 seed spread, 1 point)"
-    else:
-        bound, bound_text = (max(spreads) if spreads else 0.0), "largest seed spread"
     for setting in ("dynamic", "static", "off"):
-        values = _values(result, setting, metric)
-        if not values:
+        if not any(r["setting"] == setting for r in runs):
             continue
-        gap = statistics.fmean(values) - statistics.fmean(fp32)
-        out.append({"setting": setting, "metric": metric, "gap": gap, "bound": bound,
-                    "bound_text": bound_text, "within": abs(gap) <= bound, "n": len(values)})  # fmt: skip
+        found = verdict.curve_finding(runs, setting, metric)
+        entry = {"setting": setting, "metric": metric, **found["paired"], "finding": found["finding"]}
+        if metric == "eval_loss" and entry["gaps"]:
+            entry["slowdown"] = verdict.steps_to_reach(runs, setting)
+            entry["perplexity_ratio"] = [math.exp(g) for g in entry["gaps"]]
+        out.append(entry)
     return out
+
+
+def verdict_line(v: dict, shown: str) -> str:
+    """One line of the benchmark's statements: the paired verdict, its interval, and the finding."""
+    gaps = ", ".join(_fmt(v["metric"], g, signed=True) for g in v["gaps"])
+    line = f"- {LABELS[v['setting']]}: paired {shown} gap to FP32 {gaps} (seed{'s' if v['n'] > 1 else ''} {', '.join(map(str, v['seeds']))})"
+    if "interval" in v:
+        low, high = v["interval"]
+        line += (
+            f", 95% interval [{_fmt(v['metric'], low, signed=True)}, {_fmt(v['metric'], high, signed=True)}]"
+        )
+    word = (
+        f"no verdict ({v['n']} seed{'s' if v['n'] > 1 else ''}; the rule needs {verdict.MIN_SEEDS})"
+        if v["verdict"] == "too few seeds"
+        else v["verdict"]
+    )
+    line += f": **{word}**; finding: **{v['finding']}**."
+    if v.get("perplexity_ratio"):
+        line += " Perplexity ratio to FP32: " + ", ".join(f"{x:.3f}" for x in v["perplexity_ratio"]) + "."
+    if v.get("slowdown"):
+        parts = [
+            f"not reached in {s['last_step']} steps"
+            if s["step"] is None
+            else f"step {s['step']:.0f} ({s['extra']:+.0%})"
+            for s in v["slowdown"]
+        ]
+        line += " Reaches FP32's final eval loss: " + "; ".join(parts) + "."
+    return line
 
 
 def _pct(x: float | None) -> str:
     return "—" if x is None else percent(x)
 
 
-def _fmt(metric: str, v: float) -> str:
-    return f"{100 * v:.2f}" if metric == "eval_accuracy" else f"{v:.4f}"
+def _fmt(metric: str, v: float, signed: bool = False) -> str:
+    sign = "+" if signed else ""
+    return f"{100 * v:{sign}.2f}" if metric == "eval_accuracy" else f"{v:{sign}.4f}"
 
 
 def render(result: dict) -> str:
@@ -103,12 +126,7 @@ def render(result: dict) -> str:
     if fp32:
         lines.append(f"FP32 {shown}: {' / '.join(_fmt(metric, v) for v in fp32)} "
                      f"(seed spread {_fmt(metric, max(fp32) - min(fp32))}).")  # fmt: skip
-    for v in verdicts(result):
-        word = "within" if v["within"] else "outside"
-        lines.append(
-            f"- {LABELS[v['setting']]}: mean {shown} {'+' if v['gap'] >= 0 else ''}{_fmt(metric, v['gap'])} vs FP32 "
-            f"({v['n']} seed{'s' if v['n'] > 1 else ''}); **{word}** {v['bound_text']} = {_fmt(metric, v['bound'])}."
-        )
+    lines += [verdict_line(v, shown) for v in verdicts(result)]
     return "\n".join(lines) + "\n"
 
 
@@ -139,19 +157,24 @@ def render_headline(folder: Path) -> str:
                 total = sum(r["total_steps"] or 0 for r in runs)
                 if skipped:
                     cell += f" ({skipped}/{total} steps skipped)"
-            verdict = next((v for v in verdicts(result) if v["setting"] == setting), None)
-            if verdict and setting != "static":
-                cell += " ✓" if verdict["within"] else " ✗"
+            found = next((v for v in verdicts(result) if v["setting"] == setting), None)
+            if found and setting != "static":
+                cell += f" ({_word(found)})"
             cells.append(cell)
         shown = "accuracy %" if metric == "eval_accuracy" else "eval loss"
         lines.append(f"| `{result['benchmark']}` | {shown} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        "Values per seed (seeds 0 / 1). ✓: the mean is within noise of FP32's — for accuracy within FP32's "
-        "seed-to-seed spread or 1 point, whichever is wider; for a loss within the largest seed-to-seed spread "
-        "of any setting. ✗: outside it.",
+        "Values per seed, in seed order. In brackets, the finding against FP32 by the paired rule: "
+        + verdict.RULES["paired"]
+        + " "
+        + verdict.RULES["curve"],
     ]
     return "\n".join(lines) + "\n"
+
+
+def _word(v: dict) -> str:
+    return f"{v['n']} seeds: no verdict" if v["verdict"] == "too few seeds" else v["finding"]
 
 
 def write_readme(readme: Path, tables: str, start: str = START, end: str = END) -> None:
