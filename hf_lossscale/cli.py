@@ -4,6 +4,8 @@
   comparison (`hf_lossscale.compare`).
 - `hf-lossscale report RUN_DIR`: plots and a summary of a run's `loss_scale_log.jsonl`.
 - `hf-lossscale advise --model_name_or_path M --train_file F`: measure gradients, recommend a scale.
+- `hf-lossscale underflow --model_name_or_path M --objective clm`: the underflow map (flushed
+  gradients against tokens per optimizer step, at scale 1, the settled scale and a static one).
 """
 
 from __future__ import annotations
@@ -44,6 +46,15 @@ def make_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     add_advise_arguments(advise)
+
+    from .underflow import __doc__ as underflow_doc
+    from .underflow import add_underflow_arguments
+
+    underflow = commands.add_parser(
+        "underflow", help="The underflow map: FP16's flushed gradients against tokens per optimizer step.",
+        description=underflow_doc, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    add_underflow_arguments(underflow)
     return parser
 
 
@@ -70,6 +81,11 @@ def main(argv: list[str] | None = None) -> int:
         from .advise import run
 
         run(opts)
+        return 0
+    if opts.command == "underflow":
+        from .underflow import run as run_underflow
+
+        run_underflow(opts)
         return 0
     raise AssertionError(opts.command)
 

@@ -234,12 +234,46 @@ def _context(fp16: str, policy: str) -> contextlib.AbstractContextManager:
     raise ValueError(f"fp16={fp16!r} is not one of ('emulate', 'native', 'fp32').")
 
 
-def _grads(model, batch, loss_fn, context, multiplier) -> dict[str, torch.Tensor]:
+def _grads(model, batch, loss_fn, context, multiplier, micro_batches=None) -> dict[str, torch.Tensor]:
+    """Parameter gradients of `loss * multiplier`, summed over `micro_batches` (each its own
+    backward, as gradient accumulation does) or of the one `batch`."""
     model.zero_grad(set_to_none=True)
     with context:
-        loss = loss_fn(model, batch)
-        (loss.float() * multiplier).backward()
+        for part in micro_batches if micro_batches is not None else [batch]:
+            loss = loss_fn(model, part)
+            (loss.float() * multiplier).backward()
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def compare_gradients(
+    reference: dict[str, torch.Tensor], low: dict[str, torch.Tensor], scale: float
+) -> dict[str, Any]:
+    """FP16 gradients `low` (at `scale`) against FP32 `reference`: flushed fraction overall and per
+    owning module (with the counts behind it), relative error of `low / scale`, and overflow."""
+    flushed: dict[str, list[int]] = {}
+    err_sq = ref_sq = 0.0
+    overflow = False
+    for name, g32 in reference.items():
+        g16 = low.get(name, torch.zeros_like(g32))
+        module = name.rsplit(".", 1)[0] if "." in name else name
+        nonzero = g32 != 0
+        counts = flushed.setdefault(module, [0, 0])
+        counts[0] += int(((g16 == 0) & nonzero).sum())
+        counts[1] += int(nonzero.sum())
+        finite = torch.isfinite(g16)
+        overflow = overflow or not bool(finite.all())
+        diff = torch.where(finite, g16.double() / scale, 0.0) - g32.double()
+        err_sq += float(diff.pow(2).sum())
+        ref_sq += float(g32.double().pow(2).sum())
+    total_flushed = sum(c[0] for c in flushed.values())
+    total_nonzero = sum(c[1] for c in flushed.values())
+    return {
+        "flushed_fraction": total_flushed / max(total_nonzero, 1),
+        "per_module": {m: c[0] / max(c[1], 1) for m, c in flushed.items()},
+        "counts": flushed,
+        "relative_grad_error": (err_sq**0.5) / max(ref_sq**0.5, 1e-30),
+        "overflow": overflow,
+    }
 
 
 def measure_flushed_fraction(
@@ -285,31 +319,7 @@ def measure_flushed_fraction(
     finally:
         model.zero_grad(set_to_none=True)
         model.train(was_training)
-    flushed: dict[str, list[int]] = {}
-    err_sq = ref_sq = 0.0
-    overflow = False
-    for name, g32 in reference.items():
-        g16 = low.get(name, torch.zeros_like(g32))
-        module = name.rsplit(".", 1)[0] if "." in name else name
-        nonzero = g32 != 0
-        counts = flushed.setdefault(module, [0, 0])
-        counts[0] += int(((g16 == 0) & nonzero).sum())
-        counts[1] += int(nonzero.sum())
-        finite = torch.isfinite(g16)
-        overflow = overflow or not bool(finite.all())
-        diff = torch.where(finite, g16.double() / scale, 0.0) - g32.double()
-        err_sq += float(diff.pow(2).sum())
-        ref_sq += float(g32.double().pow(2).sum())
-    total_flushed = sum(c[0] for c in flushed.values())
-    total_nonzero = sum(c[1] for c in flushed.values())
-    return {
-        "flushed_fraction": total_flushed / max(total_nonzero, 1),
-        "per_module": {m: c[0] / max(c[1], 1) for m, c in flushed.items()},
-        "relative_grad_error": (err_sq**0.5) / max(ref_sq**0.5, 1e-30),
-        "overflow": overflow,
-        "fp16": fp16,
-        "policy": policy,
-        "scale": scale,
-        "loss_divisor": loss_divisor,
-        "reference": reference,
-    }
+    found = compare_gradients(reference, low, scale)
+    del found["counts"]
+    return {**found, "fp16": fp16, "policy": policy, "scale": scale, "loss_divisor": loss_divisor,
+            "reference": reference}  # fmt: skip
