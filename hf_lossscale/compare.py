@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -55,14 +56,26 @@ OWNED_FLAGS = (
 )
 
 
-def setting_flags(setting: str, static_scale: float, fp16_on_cpu: str) -> list[str]:
-    """The script flags that select one setting."""
+def setting_flags(
+    setting: str,
+    static_scale: float,
+    fp16_on_cpu: str,
+    dynamic_init_scale: float | None = None,
+    dynamic_growth_interval: int | None = None,
+) -> list[str]:
+    """The script flags that select one setting (the dynamic setting's start and growth interval
+    only where given: the scaler's defaults otherwise)."""
     if setting == "fp32":
         return []
     flags = ["--fp16", "--loss_scale_mode", setting, "--loss_scale_fp16_on_cpu", fp16_on_cpu]
     if setting == "static":
         flags += ["--loss_scale_init", repr(float(static_scale))]
         flags += ["--loss_scale_max", repr(max(float(static_scale), 2.0**24))]
+    if setting == "dynamic" and dynamic_init_scale is not None:
+        flags += ["--loss_scale_init", repr(float(dynamic_init_scale))]
+        flags += ["--loss_scale_max", repr(max(float(dynamic_init_scale), 2.0**24))]
+    if setting == "dynamic" and dynamic_growth_interval is not None:
+        flags += ["--loss_scale_growth_interval", str(dynamic_growth_interval)]
     return flags
 
 
@@ -191,7 +204,8 @@ def run_one(
         "--max_steps", str(opts.max_steps),
         "--logging_steps", "1",
         "--do_train", "--do_eval",
-        *setting_flags(setting, opts.static_scale, opts.fp16_on_cpu),
+        *setting_flags(setting, opts.static_scale, opts.fp16_on_cpu, getattr(opts, "dynamic_init_scale", None),
+                       getattr(opts, "dynamic_growth_interval", None)),
     ]  # fmt: skip
     if setting != "fp32" and opts.flushed_probe:
         flags.append("--loss_scale_measure_flushed")
@@ -209,6 +223,9 @@ def run_one(
         shutil.rmtree(run_dir)  # the runner owns this folder: a stale log must not mix in
     run_dir.mkdir(parents=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    jobs = getattr(opts, "jobs", 1)
+    if jobs > 1 and "OMP_NUM_THREADS" not in env:  # parallel runs share the cores, one stream each
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // jobs))
     print(f"[{setting:>7} seed {seed}] {shlex.join(command)}", flush=True)
     start = time.perf_counter()
     offset = 0
@@ -649,6 +666,14 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Keep a run that already finished (exit 0) in OUTPUT_DIR/runs with the same command "
                         "instead of rerunning it: resume an interrupted comparison, or run seeds in parallel "
                         "into one OUTPUT_DIR and summarise them together.")  # fmt: skip
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="Runs at a time (each a subprocess; with more than 1, each gets OMP_NUM_THREADS = "
+                        "cores / jobs unless you set it). Two one-thread runs beat one two-thread run on a CPU.")  # fmt: skip
+    parser.add_argument("--dynamic_init_scale", type=float, default=None,
+                        help="The dynamic setting's initial scale (default: the scaler's, 2^16). Start it above "
+                        "where the gradients overflow to watch it back off.")  # fmt: skip
+    parser.add_argument("--dynamic_growth_interval", type=int, default=None,
+                        help="The dynamic setting's clean steps before it doubles (default: the scaler's, 2000).")  # fmt: skip
     parser.add_argument("--no_flushed_probe", dest="flushed_probe", action="store_false",
                         help="Skip the flushed-fraction measurement of each FP16 run.")  # fmt: skip
 
@@ -675,6 +700,14 @@ def validate(opts: argparse.Namespace) -> None:
         raise SystemExit(f"--static_scale must be a positive finite number, got {opts.static_scale}.")
     if not Path(opts.script).is_file():
         raise SystemExit(f"No script {opts.script!r}.")
+    if getattr(opts, "jobs", 1) < 1:
+        raise SystemExit(f"--jobs must be at least 1, got {opts.jobs}.")
+    init = getattr(opts, "dynamic_init_scale", None)
+    if init is not None and not (init > 0 and math.isfinite(init)):
+        raise SystemExit(f"--dynamic_init_scale must be a positive finite number, got {init}.")
+    interval = getattr(opts, "dynamic_growth_interval", None)
+    if interval is not None and interval < 1:
+        raise SystemExit(f"--dynamic_growth_interval must be at least 1, got {interval}.")
     if len(set(opts.seeds)) != len(opts.seeds):
         raise SystemExit(f"--seeds {opts.seeds} repeats a seed.")
 
@@ -685,11 +718,11 @@ def run_comparison(opts: argparse.Namespace) -> tuple[list[RunResult], dict[str,
     out = Path(opts.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     opts.command_line = getattr(opts, "command_line", None) or "hf_lossscale.compare.run_comparison(...)"
-    results = []
-    for seed in opts.seeds:
-        for setting in opts.settings:
-            if seed == opts.seeds[0] or setting not in opts.first_seed_only:
-                results.append(run_one(opts.script, setting, seed, opts, opts.script_args, out))
+    plan = [(setting, seed) for seed in opts.seeds for setting in opts.settings
+            if seed == opts.seeds[0] or setting not in opts.first_seed_only]  # fmt: skip
+    with ThreadPoolExecutor(max_workers=getattr(opts, "jobs", 1)) as pool:
+        futures = [pool.submit(run_one, opts.script, st, sd, opts, opts.script_args, out) for st, sd in plan]
+        results = [f.result() for f in futures]
     summary = summarize(results, opts)
     text = write_summary(results, summary, opts, out)
     plots = write_plots(results, opts, out)

