@@ -336,7 +336,13 @@ def summarize(results: list[RunResult], opts: argparse.Namespace) -> dict[str, A
         row["slowdown"] = verdict.steps_to_reach(records, setting)
         sentence = f"{label}: " + paired_text(paired, "eval loss")
         if floor is not None and setting != "dynamic" and floor["gaps"]:
-            sentence += f" Numerical floor (FP16 + dynamic's paired gaps): {_gaps(floor['gaps'])}."
+            skips = sum(r.skipped_steps or 0 for r in by_setting["dynamic"])
+            sentence += (
+                f" Numerical floor (FP16 + dynamic's paired gaps): {_gaps(floor['gaps'])}."
+                if not skips
+                else f" FP16 + dynamic's paired gaps ({_gaps(floor['gaps'])}) include its {skips} skipped "
+                "step(s), each of which costs a run its last learning-rate step: not a rounding-only floor."
+            )
         spread = paired.get("seed_spread")
         sentence += f" Unpaired, for reference: mean gap {gap:+.4f} ({rel:+.2%})" + (
             f" against the largest seed-to-seed spread {spread:.4f}." if spread is not None else "."

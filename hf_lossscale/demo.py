@@ -5,8 +5,10 @@ model on real English text that every CPython ships (the Python documentation's 
 `pydoc_data.topics`), 2,048 tokens per optimizer step, under FP32, FP16 + dynamic scaling, FP16 +
 a static 2^24 scale and FP16 with scaling off: three seeds each (the paired verdict needs three),
 the static setting, there to show its overflow storm, one; two runs at a time. The dynamic setting
-starts at 2^19, above where these gradients overflow, and may double after 3 clean steps, so
-`loss_scale.png` shows it back off and grow. Then it measures the underflow map at the demo's own
+starts at 2^17, one power of two above where these gradients overflow (2^16, measured by
+`hf-lossscale underflow`), and may double after 5 clean steps, so `loss_scale.png` shows it back
+off and grow. Each skipped step costs the run its last learning-rate step, so the schedule is
+cosine, whose last steps are the smallest. Then it measures the underflow map at the demo's own
 setting (what FP16 flushes at scale 1 and at the settled scale). On a CPU, FP16 is emulated. The
 exact `hf-lossscale compare` command is printed first; with network, pass `--model_name_or_path` /
 `--dataset_name` (and any recipe flag) after `--` to change them.
@@ -60,6 +62,7 @@ def build_command(opts: argparse.Namespace, extra: list[str]) -> list[str]:
         "--gradient_accumulation_steps", str(opts.gradient_accumulation_steps),
         "--learning_rate", "2e-4",
         "--warmup_steps", "2",
+        "--lr_scheduler_type", "cosine",
         "--eval_strategy", "steps",
         "--eval_steps", str(max(1, opts.max_steps // 2)),
         "--max_eval_samples", "32",
@@ -81,8 +84,8 @@ def build_command(opts: argparse.Namespace, extra: list[str]) -> list[str]:
         "--output_dir", str(out),
         "--first_seed_only", "static",
         "--jobs", str(opts.jobs),
-        "--dynamic_init_scale", repr(2.0**19),
-        "--dynamic_growth_interval", "3",
+        "--dynamic_init_scale", repr(2.0**17),
+        "--dynamic_growth_interval", "5",
         "--",
         *script_args,
         *extra,

