@@ -64,7 +64,7 @@ def build_command(opts: argparse.Namespace, extra: list[str]) -> list[str]:
         "--warmup_steps", "2",
         "--lr_scheduler_type", "cosine",
         "--eval_strategy", "steps",
-        "--eval_steps", str(max(1, opts.max_steps // 2)),
+        "--eval_steps", str(max(1, opts.max_steps // 3)),
         "--max_eval_samples", "32",
         "--save_strategy", "no",
         "--report_to", "none",

@@ -198,6 +198,18 @@ def load_raw_datasets(data: Any, model: ModelArguments, *, shuffle_split: bool =
     return raw
 
 
+def _eval_at_last_step(trainer: Any, training_args: Any) -> dict[str, float] | None:
+    """The periodic evaluation the Trainer already ran after the final step, when the model has not
+    changed since (no best-model reload): evaluating again would only repeat it."""
+    if not training_args.do_train or getattr(training_args, "load_best_model_at_end", False):
+        return None
+    history = trainer.state.log_history
+    last = next((e for e in reversed(history) if "eval_loss" in e), None)
+    if last is None or last.get("step") != trainer.state.global_step:
+        return None
+    return {k: v for k, v in last.items() if k.startswith("eval_")}
+
+
 def train_and_evaluate(trainer: Any, training_args: Any, train_dataset: Any, eval_dataset: Any,
                        extra_eval: Any = None) -> dict[str, float]:  # fmt: skip
     """Train (resuming if asked), save model, metrics and state; evaluate; as transformers'
@@ -212,7 +224,7 @@ def train_and_evaluate(trainer: Any, training_args: Any, train_dataset: Any, eva
         trainer.save_metrics("train", result.metrics)
         trainer.save_state()
     if training_args.do_eval:
-        eval_metrics = trainer.evaluate()
+        eval_metrics = _eval_at_last_step(trainer, training_args) or trainer.evaluate()
         eval_metrics["eval_samples"] = len(eval_dataset)
         if extra_eval is not None:
             extra_eval(eval_metrics)

@@ -104,7 +104,11 @@ def _load(opts: argparse.Namespace):
         config.is_decoder = True  # an encoder used as a causal LM, as the recipes do
     if opts.objective == "cls":
         config.num_labels = 2
-    auto = {"clm": AutoModelForCausalLM, "mlm": AutoModelForMaskedLM, "cls": AutoModelForSequenceClassification}
+    auto = {
+        "clm": AutoModelForCausalLM,
+        "mlm": AutoModelForMaskedLM,
+        "cls": AutoModelForSequenceClassification,
+    }
     model = auto[opts.objective].from_pretrained(opts.model_name_or_path, config=config).float().eval()
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
@@ -142,7 +146,9 @@ class _Batches:
             return batches, tokens
         need = micro * block * accum
         if len(self.ids) < need:
-            raise SystemExit(f"Not enough text for {need:,} tokens ({len(self.ids):,} tokenised): pass a longer --train_file.")
+            raise SystemExit(
+                f"Not enough text for {need:,} tokens ({len(self.ids):,} tokenised): pass a longer --train_file."
+            )
         ids = torch.tensor(self.ids[:need]).view(accum, micro, block)
         batches = []
         for part in ids:
@@ -251,7 +257,9 @@ def _pct(x: float | None) -> str:
 def _cell(m: dict[str, Any]) -> str:
     if m["overflow"]:
         return "overflow"
-    return f"{_pct(m['flushed_fraction'])} (head {_pct(m['flushed_head'])}), err {m['relative_grad_error']:.2g}"
+    return (
+        f"{_pct(m['flushed_fraction'])} (head {_pct(m['flushed_head'])}), err {m['relative_grad_error']:.2g}"
+    )
 
 
 def _row_text(row: dict[str, Any]) -> str:
@@ -302,12 +310,20 @@ def write_plot(results: list[dict[str, Any]], path: Path) -> None:
         rows = sorted(result["rows"], key=lambda r: r["tokens"])
         x = [r["tokens"] for r in rows]
         name = result["objective"]
-        left.plot(x, [100 * r["at_1"]["flushed_fraction"] for r in rows], "o-", color=color, label=f"{name}: all, scale 1")
+        left.plot(
+            x,
+            [100 * r["at_1"]["flushed_fraction"] for r in rows],
+            "o-",
+            color=color,
+            label=f"{name}: all, scale 1",
+        )
         left.plot(x, [100 * (r["at_1"]["flushed_head"] or 0) for r in rows], "s--", color=color, alpha=0.6,
                   label=f"{name}: LM head / embeddings, scale 1")  # fmt: skip
         left.plot(x, [100 * r["at_settled"]["flushed_fraction"] for r in rows], "^:", color=color,
                   label=f"{name}: all, settled scale")  # fmt: skip
-        right.plot(x, [r["at_1"]["relative_grad_error"] for r in rows], "o-", color=color, label=f"{name}: scale 1")
+        right.plot(
+            x, [r["at_1"]["relative_grad_error"] for r in rows], "o-", color=color, label=f"{name}: scale 1"
+        )
         right.plot(x, [r["at_settled"]["relative_grad_error"] for r in rows], "^:", color=color,
                    label=f"{name}: settled scale")  # fmt: skip
     for ax in (left, right):

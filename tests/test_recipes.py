@@ -209,3 +209,25 @@ def test_mlm_evaluation_masks_the_same_tokens_every_time(tmp_path, tiny_model):
     assert a["labels"] == b["labels"] and any(x != -100 for row in a["labels"] for x in row)
     batch = module._EvalFixedMasking(collator)([a[0], a[1]])
     assert batch["labels"].tolist() == [a[0]["labels"], a[1]["labels"]]
+
+
+@pytest.mark.parametrize("eval_steps", [3, 2])
+def test_final_evaluation_is_not_repeated(tmp_path, tiny_model, eval_steps):
+    """With a periodic evaluation at the last step, the recipe reports it instead of evaluating the
+    same model again; when the last periodic one came earlier, it evaluates the final model."""
+    module = load_recipe("language_modeling")
+    text = tmp_path / "text.txt"
+    text.write_text(
+        "\n".join(f"line {i} of the loss scaling text, with a few more words" for i in range(200))
+    )
+    out = tmp_path / "out"
+    metrics = module.main([
+        "--do_train", "--do_eval", "--model_name_or_path", tiny_model, "--objective", "clm",
+        "--train_file", str(text), "--validation_split_percentage", "10", "--block_size", "32",
+        "--output_dir", str(out), "--max_steps", "3", "--per_device_train_batch_size", "2",
+        "--eval_strategy", "steps", "--eval_steps", str(eval_steps), "--max_eval_samples", "4",
+        "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true",
+    ])  # fmt: skip
+    evals = [e for e in events(out) if e["event"] == "log" and "eval_loss" in e]
+    assert [e["step"] for e in evals] == ([3] if eval_steps == 3 else [2, 3])
+    assert metrics["eval_loss"] == evals[-1]["eval_loss"]

@@ -39,7 +39,9 @@ def test_each_point_is_measured_against_its_own_reference(tiny, objective):
 
 
 def test_settled_scale_is_the_largest_that_does_not_overflow(tiny):
-    (row,) = underflow.underflow_map(opts(tiny, points="2x16x2", max_scale=2.0**30, static_scale=2.0**30))["rows"]
+    (row,) = underflow.underflow_map(opts(tiny, points="2x16x2", max_scale=2.0**30, static_scale=2.0**30))[
+        "rows"
+    ]
     settled = row["settled_scale"]
     assert 1.0 < settled < 2.0**30 and not row["at_settled"]["overflow"]
     # one power of two up overflows: measured here, not taken from the search
@@ -57,7 +59,9 @@ def test_points_are_checked():
 
 def test_cli_writes_table_json_and_plot(tiny, tmp_path):
     out = tmp_path / "map"
-    assert main(["underflow", "--model_name_or_path", tiny, "--points", "1x16x1", "--output_dir", str(out)]) == 0
+    assert (
+        main(["underflow", "--model_name_or_path", tiny, "--points", "1x16x1", "--output_dir", str(out)]) == 0
+    )
     result = json.loads((out / "underflow.json").read_text())
     assert result["rows"][0]["tokens"] == 16
     assert "| 1x16x1 | 16 |" in (out / "underflow.md").read_text()

@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 from hf_lossscale import verdict
-from hf_lossscale.compare import SETTINGS, percent, scale_text
+from hf_lossscale.compare import SETTINGS, percent_change, percent, scale_text
 
 LABELS = {**SETTINGS, "static": f"{SETTINGS['static']} 2^24"}  # the benchmarks' static scale
 START, END = "<!-- results:start -->", "<!-- results:end -->"
@@ -76,7 +76,7 @@ def verdict_line(v: dict, shown: str) -> str:
         parts = [
             f"not reached in {s['last_step']} steps"
             if s["step"] is None
-            else f"step {s['step']:.0f} ({s['extra']:+.0%})"
+            else f"step {s['step']:.0f} ({percent_change(s['extra'])})"
             for s in v["slowdown"]
         ]
         line += " Reaches FP32's final eval loss: " + "; ".join(parts) + "."
