@@ -11,7 +11,7 @@ import math
 from pathlib import Path
 
 from hf_lossscale import verdict
-from hf_lossscale.compare import SETTINGS, percent_change, percent, scale_text
+from hf_lossscale.compare import SETTINGS, percent, percent_change, scale_text
 
 LABELS = {**SETTINGS, "static": f"{SETTINGS['static']} 2^24"}  # the benchmarks' static scale
 START, END = "<!-- results:start -->", "<!-- results:end -->"
