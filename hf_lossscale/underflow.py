@@ -121,13 +121,7 @@ class _Batches:
     def __init__(self, opts: argparse.Namespace, tokenizer) -> None:
         self.objective, self.tokenizer = opts.objective, tokenizer
         texts, self.labels = _texts(opts)
-        if self.objective == "cls":
-            self.texts = texts
-        else:
-            ids: list[int] = []
-            for t in texts:
-                ids.extend(tokenizer(t, add_special_tokens=False, verbose=False)["input_ids"])
-            self.ids = ids
+        self.texts, self.ids, self.read = texts, [], 0
         self.generator = torch.Generator().manual_seed(opts.seed)
 
     def micro_batches(self, micro: int, block: int, accum: int) -> tuple[list[dict[str, torch.Tensor]], int]:
@@ -145,6 +139,11 @@ class _Batches:
                 batches.append(dict(enc))
             return batches, tokens
         need = micro * block * accum
+        while len(self.ids) < need and self.read < len(self.texts):  # tokenise only what is needed
+            self.ids.extend(
+                self.tokenizer(self.texts[self.read], add_special_tokens=False, verbose=False)["input_ids"]
+            )
+            self.read += 1
         if len(self.ids) < need:
             raise SystemExit(
                 f"Not enough text for {need:,} tokens ({len(self.ids):,} tokenised): pass a longer --train_file."

@@ -55,3 +55,21 @@ def test_gpu_check_is_ready():
 
     if not torch.cuda.is_available():
         assert load("gpu_check").main([]) == 2  # says it needs a GPU, does not pretend
+
+
+def test_underflow_map_smoke(tmp_path):
+    """The README's underflow map script, at two small points per objective on a tiny BERT, with the
+    Python docs as text when no data folder is given (cls gets alternating labels)."""
+    import sys
+
+    sys.path.insert(0, str(BENCH.parent / "tests"))
+    from tiny_models import save_tiny_bert
+
+    model = save_tiny_bert(tmp_path / "model")
+    out = tmp_path / "map"
+    assert load("underflow_map").main(["--quick", "--model_name_or_path", model, "--data_dir", str(tmp_path / "none"),
+                                       "--output_dir", str(out)]) == 0  # fmt: skip
+    for objective in ("clm", "mlm", "cls"):
+        rows = json.loads((out / f"underflow_{objective}.json").read_text())["rows"]
+        assert len(rows) == 2 and all(not r["at_settled"]["overflow"] for r in rows)
+    assert (out / "underflow.png").read_bytes()[:4] == b"\x89PNG"
