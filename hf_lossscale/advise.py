@@ -82,27 +82,13 @@ def _lost(samples: list[torch.Tensor], scale: float) -> float:
 
 
 def advise(opts: argparse.Namespace) -> dict[str, Any]:
-    from transformers import (
-        AutoConfig,
-        AutoModelForCausalLM,
-        AutoModelForMaskedLM,
-        AutoTokenizer,
-        DataCollatorForLanguageModeling,
-    )
-    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+    from transformers import DataCollatorForLanguageModeling
 
-    torch.manual_seed(opts.seed)
-    tokenizer = AutoTokenizer.from_pretrained(opts.model_name_or_path)
-    config = AutoConfig.from_pretrained(opts.model_name_or_path)
+    from .underflow import load_for_objective
+
     causal = opts.objective == "clm"
-    if (
-        causal
-        and config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES
-        and not getattr(config, "is_decoder", True)
-    ):
-        config.is_decoder = True
-    auto = AutoModelForCausalLM if causal else AutoModelForMaskedLM
-    model = auto.from_pretrained(opts.model_name_or_path, config=config).float().train()
+    tokenizer, model = load_for_objective(opts.model_name_or_path, opts.objective, opts.seed)
+    model.train()
     blocks = _load_blocks(opts, tokenizer)
     collator = None if causal else DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15)
     optimizer = torch.optim.AdamW(model.parameters(), lr=opts.learning_rate)

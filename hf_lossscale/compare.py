@@ -595,30 +595,28 @@ def write_plots(results: list[RunResult], opts: argparse.Namespace, out: Path) -
     from .report import plot_scale
 
     colors = {"fp32": "black", "dynamic": "tab:blue", "static": "tab:red", "off": "tab:orange"}
+
+    def style(seed: int) -> str:  # one line style per seed, in the order given
+        return _LINESTYLES[opts.seeds.index(seed) % len(_LINESTYLES)] if seed in opts.seeds else "-"
+
+    def save(fig, ax, name: str, ylabel: str, title: str) -> str:
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel(ylabel)
+        ax.set_title(title)
+        ax.legend(fontsize=8)
+        fig.tight_layout()
+        fig.savefig(out / name, dpi=110)
+        plt.close(fig)
+        return name
+
     written = []
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for r in sorted(results, key=lambda r: r.setting != "fp32"):  # FP32 first, wide, underneath
         if r.evals:
-            ax.plot(
-                [e["step"] for e in r.evals],
-                [e["eval_loss"] for e in r.evals],
-                marker="o",
-                color=colors[r.setting],
-                linestyle=_LINESTYLES[opts.seeds.index(r.seed) % len(_LINESTYLES)]
-                if r.seed in opts.seeds
-                else "-",
-                linewidth=4 if r.setting == "fp32" else 1.5,
-                alpha=0.45 if r.setting == "fp32" else 1.0,
-                label=f"{SETTINGS[r.setting]} (seed {r.seed})",
-            )
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("eval loss")
-    ax.set_title("Eval loss per setting")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "eval_loss.png", dpi=110)
-    plt.close(fig)
-    written.append("eval_loss.png")
+            ax.plot([e["step"] for e in r.evals], [e["eval_loss"] for e in r.evals], marker="o",
+                    color=colors[r.setting], linestyle=style(r.seed), linewidth=4 if r.setting == "fp32" else 1.5,
+                    alpha=0.45 if r.setting == "fp32" else 1.0, label=f"{SETTINGS[r.setting]} (seed {r.seed})")  # fmt: skip
+    written.append(save(fig, ax, "eval_loss.png", "eval loss", "Eval loss per setting"))
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     records = [asdict(r) for r in results]
@@ -626,30 +624,16 @@ def write_plots(results: list[RunResult], opts: argparse.Namespace, out: Path) -
         for seed, points in verdict.gap_curves(records, setting).items():
             if points:
                 ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", color=colors[setting],
-                        linestyle=_LINESTYLES[opts.seeds.index(seed) % len(_LINESTYLES)],
-                        label=f"{SETTINGS[setting]} (seed {seed})")  # fmt: skip
+                        linestyle=style(seed), label=f"{SETTINGS[setting]} (seed {seed})")  # fmt: skip
     ax.axhline(0.0, color="black", linewidth=1)
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("eval loss - FP32 eval loss (same seed)")
-    ax.set_title("Paired gap to FP32: grows, holds or closes")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "gap.png", dpi=110)
-    plt.close(fig)
-    written.append("gap.png")
+    written.append(save(fig, ax, "gap.png", "eval loss - FP32 eval loss (same seed)",
+                        "Paired gap to FP32: grows, holds or closes"))  # fmt: skip
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for r in results:
         plot_scale(ax, r.steps, r.loss_scale, r.skipped_at, color=colors[r.setting],
                    label=f"{SETTINGS[r.setting]} (seed {r.seed})")  # fmt: skip
-    ax.set_xlabel("optimizer step")
-    ax.set_ylabel("loss scale (x = skipped step)")
-    ax.set_title("Loss scale per step")
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "loss_scale.png", dpi=110)
-    plt.close(fig)
-    written.append("loss_scale.png")
+    written.append(save(fig, ax, "loss_scale.png", "loss scale (x = skipped step)", "Loss scale per step"))
     return written
 
 

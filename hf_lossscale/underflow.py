@@ -87,7 +87,9 @@ def _texts(opts: argparse.Namespace) -> tuple[list[str], list[int] | None]:
     return [r["sentence"] for r in rows], [int(r["label"]) for r in rows]
 
 
-def _load(opts: argparse.Namespace):
+def load_for_objective(model_name_or_path: str, objective: str, seed: int = 0):
+    """`(tokenizer, model)` for "clm", "mlm" or "cls" (a fresh 2-label head), in FP32 eval mode; an
+    encoder asked for "clm" becomes a decoder (`is_decoder`), as the recipes make it."""
     from transformers import (
         AutoConfig,
         AutoModelForCausalLM,
@@ -97,19 +99,19 @@ def _load(opts: argparse.Namespace):
     )
     from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
-    torch.manual_seed(opts.seed)
-    tokenizer = AutoTokenizer.from_pretrained(opts.model_name_or_path)
-    config = AutoConfig.from_pretrained(opts.model_name_or_path)
-    if opts.objective == "clm" and config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
-        config.is_decoder = True  # an encoder used as a causal LM, as the recipes do
-    if opts.objective == "cls":
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
+    config = AutoConfig.from_pretrained(model_name_or_path)
+    if objective == "clm" and config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        config.is_decoder = True
+    if objective == "cls":
         config.num_labels = 2
     auto = {
         "clm": AutoModelForCausalLM,
         "mlm": AutoModelForMaskedLM,
         "cls": AutoModelForSequenceClassification,
     }
-    model = auto[opts.objective].from_pretrained(opts.model_name_or_path, config=config).float().eval()
+    model = auto[objective].from_pretrained(model_name_or_path, config=config).float().eval()
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer, model
@@ -220,7 +222,7 @@ def underflow_map(opts: argparse.Namespace) -> dict[str, Any]:
     points = [parse_point(p) for p in re.split(r"[,\s]+", opts.points.strip()) if p]
     if not points:
         raise SystemExit("--points is empty.")
-    tokenizer, model = _load(opts)
+    tokenizer, model = load_for_objective(opts.model_name_or_path, opts.objective, opts.seed)
     data = _Batches(opts, tokenizer)
     rows = []
     for micro, block, accum in points:
