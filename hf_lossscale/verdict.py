@@ -54,7 +54,8 @@ RULES = {
         "FP32 itself first reaches it; 'not reached' when it never does within the run."
     ),
     "curve": (
-        f"Words for the curve: **diverged** = a non-finite loss, or an eval loss that ends more than "
+        f"Words for the curve: **diverged** = a non-finite eval loss (or a run that ends on a non-finite "
+        f"training loss), or an eval loss that ends more than "
         f"{DIVERGE_RISE:.0%} above the run's best; **stalled** = no new best eval loss over the last "
         f"{STALL_EVALS} evaluations while FP32 at the same seed still improved over them (in most seeds); "
         "**slowed** = "
@@ -220,7 +221,7 @@ def curve_finding(runs: list[Any], setting: str, metric: str = "eval_loss") -> d
             diverged.append(seed)
             continue
         train = run.get("train_loss") if isinstance(run, Mapping) else getattr(run, "train_loss", None)
-        if any(not math.isfinite(x) for x in train or []):
+        if train and not math.isfinite(train[-1]):  # one skipped overflow is not divergence; ending on one is
             diverged.append(seed)
             continue
         if lower and values and values[-1] > min(values) * (1 + DIVERGE_RISE):

@@ -127,3 +127,16 @@ def test_t_quantiles():
     assert verdict.t_quantile_975(1000) == pytest.approx(1.962, abs=2e-3)
     with pytest.raises(ValueError):
         verdict.t_quantile_975(0)
+
+
+def test_one_skipped_overflow_is_not_divergence_but_ending_on_one_is():
+    fp32 = [(10, 6.0), (20, 5.5), (30, 5.2)]
+    runs = []
+    for seed in range(3):
+        runs.append(run("fp32", seed, 5.2, fp32))
+        runs.append(
+            run("off", seed, 5.3, [(10, 6.1), (20, 5.6), (30, 5.3)], train_loss=[7.0, float("inf"), 5.4])
+        )
+    assert verdict.curve_finding(runs, "off")["finding"] == "slowed"
+    runs[-1]["train_loss"] = [7.0, 6.0, float("nan")]
+    assert verdict.curve_finding(runs, "off")["diverged_seeds"] == [2]
