@@ -7,10 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from benchmark_data import DATA, needs_data
 from tiny_models import minilm_path, save_tiny_bert
 
 ROOT = Path(__file__).resolve().parents[1]
-DATA = ROOT.parent / "shared" / "data"
 RECIPES = ["text_classification", "language_modeling"]
 
 
@@ -31,7 +31,7 @@ def shared(*parts):
     path = DATA.joinpath(*parts)
     if not path.exists():
         pytest.fail(
-            f"{path} is missing: the tests read ../shared/data beside the repository (see its README)."
+            f"{path} is missing: the tests read HF_LOSSSCALE_DATA (default ../shared/data; see its README)."
         )
     return str(path)
 
@@ -135,6 +135,7 @@ def events(output_dir):
     return read_run_events(Path(output_dir) / "loss_scale_log.jsonl")
 
 
+@needs_data
 def test_text_classification_sst2_real_minilm(tmp_path):
     """The real pretrained MiniLM on real SST-2 rows, FP16 emulated, offline metric modules."""
     module = load_recipe("text_classification")
@@ -172,6 +173,7 @@ def test_text_classification_pairs_and_f1(tmp_path, tiny_model):
     assert {"eval_accuracy", "eval_f1", "eval_matthews_correlation"} <= set(metrics)
 
 
+@needs_data
 @pytest.mark.parametrize("objective", ["mlm", "clm"])
 def test_language_modeling_runs_and_reports_perplexity(tmp_path, tiny_model, objective):
     module = load_recipe("language_modeling")

@@ -9,10 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from benchmark_data import DATA, needs_data
 
 ROOT = Path(__file__).resolve().parents[1]
 REPRO = ROOT / "benchmarks" / "reproduce"
-DATA = ROOT.parent / "shared" / "data"
 
 
 def load(name):
@@ -43,6 +43,7 @@ def value(command, flag):
     return command[command.index(flag) + 1]
 
 
+@needs_data
 @pytest.mark.parametrize("name", list(run.BENCHMARKS))
 def test_every_benchmark_runs_offline_from_shared_data(name):
     bench = run.BENCHMARKS[name]
@@ -62,6 +63,7 @@ def test_every_benchmark_runs_offline_from_shared_data(name):
     assert len(flags) == len(set(flags)), "a recipe flag given twice"
 
 
+@needs_data
 def test_sst2_is_one_epoch_of_the_full_train_split():
     bench = run.BENCHMARKS["sst2"]
     rows = sum(1 for _ in open(DATA / "sst2" / "train.tsv")) - 1  # header
@@ -151,7 +153,7 @@ def quick(name, tmp_path):
     out, results = tmp_path / name, REPRO / "results" / f"{name}.json"
     before = results.read_bytes() if results.exists() else None
     proc = subprocess.run(
-        [sys.executable, str(REPRO / "run.py"), name, "--quick", "--output_dir", str(out)],
+        [sys.executable, str(REPRO / "run.py"), name, "--quick", "--output_dir", str(out), "--data_dir", str(DATA)],
         capture_output=True, text=True, cwd=ROOT,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -159,6 +161,7 @@ def quick(name, tmp_path):
     return json.loads((out / "metrics.json").read_text())
 
 
+@needs_data
 def test_sst2_ci_subset(tmp_path):
     """The SST-2 benchmark's own command, a few steps on the real data and model, one seed."""
     metrics = quick("sst2", tmp_path)
@@ -174,6 +177,7 @@ def test_sst2_ci_subset(tmp_path):
     )
 
 
+@needs_data
 def test_language_model_ci_subset(tmp_path):
     """WikiText-2, MiniLM as a causal LM: the four settings, a few steps each."""
     metrics = quick("wikitext2-clm", tmp_path)
