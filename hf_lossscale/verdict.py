@@ -45,8 +45,8 @@ RULES = {
         "95% Student-t interval of the mean paired gap (n-1 degrees of freedom) lies wholly on that side of 0, "
         f"and shows **no measurable difference** when it contains 0. With fewer than {MIN_SEEDS} seeds no verdict "
         "is given, only the gaps. The unpaired figure (mean gap against the largest seed-to-seed spread) is "
-        "shown for reference, not used. FP16 + dynamic scaling's paired gaps are the numerical floor: "
-        "what FP16 rounding alone does."
+        "shown for reference, not used. FP16 + dynamic scaling's paired gaps are the numerical floor (what FP16 "
+        "rounding alone does) when it skipped no step: a skipped step costs a run one learning-rate step."
     ),
     "slowdown": (
         "Slowdown: the step at which a run's eval curve first reaches FP32's final eval loss at the same seed "
