@@ -51,7 +51,9 @@ RULES = {
     "slowdown": (
         "Slowdown: the step at which a run's eval curve first reaches FP32's final eval loss at the same seed "
         f"(within {REACH_TOLERANCE:.1%}; linear interpolation between evaluations), against the step at which "
-        "FP32 itself first reaches it; 'not reached' when it never does within the run."
+        "FP32 itself first reaches it; 'not reached' when it never does within the run, and then the step at "
+        "which FP32 reached the run's own final eval loss: the run needed at least last step / that step - 1 more "
+        "steps."
     ),
     "curve": (
         f"Words for the curve: **diverged** = a non-finite eval loss (or a run that ends on a non-finite "
@@ -178,9 +180,15 @@ def steps_to_reach(runs: list[Any], setting: str, metric: str = "eval_loss") -> 
             continue
         target += abs(target) * REACH_TOLERANCE * (1 if lower else -1)
         own, theirs = _crossing(base, target, lower), _crossing(curve, target, lower)
+        # The other way round: where FP32 reached this run's final value. A run that never reaches
+        # FP32's final loss needed its whole length for what FP32 did by then.
+        final = curve[-1][1]
+        equal = _crossing(base, final + abs(final) * REACH_TOLERANCE * (1 if lower else -1), lower)
         out.append({
-            "seed": seed, "target": _final(fp32[seed], metric), "fp32_step": own, "step": theirs, "last_step": curve[-1][0],
-            "extra": (theirs / own - 1) if theirs is not None and own else None,
+            "seed": seed, "target": _final(fp32[seed], metric), "fp32_step": own, "step": theirs,
+            "last_step": curve[-1][0], "extra": (theirs / own - 1) if theirs is not None and own else None,
+            "fp32_step_to_final": equal,
+            "at_least_extra": (curve[-1][0] / equal - 1) if theirs is None and equal else None,
         })  # fmt: skip
     return out
 

@@ -87,6 +87,10 @@ def test_steps_to_reach_interpolates_and_says_not_reached():
     assert fast["extra"] == pytest.approx(fast["step"] / fast["fp32_step"] - 1)
     (slow,) = verdict.steps_to_reach(runs, "slow")
     assert slow["step"] is None and slow["extra"] is None and slow["last_step"] == 30
+    # FP32 reached the slow run's final 3.8 between steps 20 (4.0) and 30 (3.5)
+    reached = 20 + 10 * (3.8 * (1 + verdict.REACH_TOLERANCE) - 4.0) / (3.5 - 4.0)
+    assert slow["fp32_step_to_final"] == pytest.approx(reached)
+    assert slow["at_least_extra"] == pytest.approx(30 / reached - 1)
 
 
 def test_gap_curves_pair_evaluations_by_step():

@@ -73,12 +73,7 @@ def verdict_line(v: dict, shown: str) -> str:
     if v.get("perplexity_ratio"):
         line += " Perplexity ratio to FP32: " + ", ".join(f"{x:.3f}" for x in v["perplexity_ratio"]) + "."
     if v.get("slowdown"):
-        parts = [
-            f"not reached in {s['last_step']} steps"
-            if s["step"] is None
-            else f"step {s['step']:.0f} ({percent_change(s['extra'])})"
-            for s in v["slowdown"]
-        ]
+        parts = [_reach_text(s) for s in v["slowdown"]]
         line += " Reaches FP32's final eval loss: " + "; ".join(parts) + "."
     return line
 
@@ -90,6 +85,17 @@ def _pct(x: float | None) -> str:
 def _fmt(metric: str, v: float, signed: bool = False) -> str:
     sign = "+" if signed else ""
     return f"{100 * v:{sign}.2f}" if metric == "eval_accuracy" else f"{v:{sign}.4f}"
+
+
+def _reach_text(s: dict) -> str:
+    if s["step"] is not None:
+        return f"step {s['step']:.0f} ({percent_change(s['extra'])})"
+    if s.get("at_least_extra") is None:
+        return f"not reached in {s['last_step']} steps"
+    return (
+        f"not reached in {s['last_step']} steps (FP32 reached this run's final loss by step "
+        f"{s['fp32_step_to_final']:.0f}: at least {percent_change(s['at_least_extra'])} steps)"
+    )
 
 
 def render(result: dict) -> str:
