@@ -406,7 +406,13 @@ def slowdown_text(slowdown: list[dict[str, Any]]) -> str:
     for s in slowdown:
         fp32_at = f"FP32 at {s['fp32_step']:.0f}"
         if s["step"] is None:
-            parts.append(f"seed {s['seed']}: not reached in {s['last_step']} steps ({fp32_at})")
+            more = (
+                f"; FP32 reached this run's final loss by step {s['fp32_step_to_final']:.0f}: at least "
+                f"{percent_change(s['at_least_extra'])} steps"
+                if s.get("at_least_extra") is not None
+                else ""
+            )
+            parts.append(f"seed {s['seed']}: not reached in {s['last_step']} steps ({fp32_at}{more})")
         else:
             parts.append(
                 f"seed {s['seed']}: step {s['step']:.0f} ({fp32_at}, {percent_change(s['extra'])} steps)"
@@ -554,7 +560,13 @@ def verdict_table(summary: dict[str, Any]) -> list[str]:
         p = row["paired"]
         interval = "[{:+.4f}, {:+.4f}]".format(*p["interval"]) if "interval" in p else "—"
         slow = ", ".join(
-            "not reached" if s["step"] is None else percent_change(s["extra"])
+            percent_change(s["extra"])
+            if s["step"] is not None
+            else (
+                f">= {percent_change(s['at_least_extra'])}"
+                if s.get("at_least_extra") is not None
+                else "not reached"
+            )
             for s in row.get("slowdown", [])
         )
         spread = p.get("seed_spread")
