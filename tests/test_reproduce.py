@@ -229,3 +229,18 @@ def test_per_seed_streams_merge_into_one_results_file(tmp_path):
     assert len(json.loads(path.read_text())["runs"]) == 4
     run.merge_results(path, stream(2, lr="1e-3"))  # another configuration: the old runs go
     assert {r["seed"] for r in json.loads(path.read_text())["runs"]} == {2}
+
+
+def test_streams_of_other_settings_merge_too(tmp_path):
+    """A stream that runs only some settings of the same configuration adds its runs."""
+    path = tmp_path / "b.json"
+    for settings, seed in (("fp32,off", 0), ("dynamic", 0)):
+        result = synthetic({s: [0.9] for s in settings.split(",")})
+        for r in result["runs"]:
+            r["seed"] = seed
+        result["command"] = (
+            f"hf-lossscale compare x --settings {settings} --seeds {seed} -- --learning_rate 1e-3"
+        )
+        result["run_command"] = f"python benchmarks/reproduce/run.py b --seeds {seed}"
+        run.merge_results(path, result)
+    assert sorted(r["setting"] for r in json.loads(path.read_text())["runs"]) == ["dynamic", "fp32", "off"]

@@ -157,8 +157,8 @@ BENCHMARKS["shakespeare-scratch"] = {
         "tiny-shakespeare, a 2-layer 128-wide GPT-2 trained from scratch",
         batch=8,
         accumulation=4,
-        steps=300,
-        eval_steps=25,
+        steps=200,
+        eval_steps=20,
         learning_rate="1e-3",
     ),  # fmt: skip
     "model": "scratch",
@@ -277,13 +277,13 @@ def _model_note(metrics: dict) -> str:
 
 
 def config_key(command: str) -> str:
-    """What makes two calls' runs comparable: the command without its seeds, output folder and
-    `--reuse_finished` (the per-seed streams of one benchmark differ only there)."""
+    """What makes two calls' runs comparable: the command without its seeds, settings, output folder
+    and `--reuse_finished` (streams of one benchmark, per seed or per setting, differ only there)."""
     words, out, skip = shlex.split(command), [], False
     for w in words:
         if skip and not w.startswith("--"):
             continue
-        skip = w in ("--seeds", "--output_dir")
+        skip = w in ("--seeds", "--output_dir", "--settings")
         if not skip and w != "--reuse_finished":
             out.append(w)
     return shlex.join(out)
@@ -300,7 +300,7 @@ def merge_results(path: Path, result: dict) -> Path:
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         old = json.loads(path.read_text()) if path.is_file() else None
-        if old is not None and old.get("config") == result["config"]:
+        if old is not None and config_key(old["command"]) == result["config"]:
             new_keys = {(r["setting"], r["seed"]) for r in result["runs"]}
             kept = [r for r in old["runs"] if (r["setting"], r["seed"]) not in new_keys]
             result["runs"] = sorted(kept + result["runs"], key=lambda r: (r["seed"], r["setting"]))
