@@ -135,6 +135,13 @@ def test_environment_variable(var, value):
         assert "HF_LOSSSCALE_INIT_SCALE" in str(err.value)
 
 
+def test_data_variables_are_not_scaler_settings():
+    """The tests' data folder variables live in our namespace but configure nothing: a training
+    run started under CI's environment must not refuse them as unknown settings."""
+    env = {"HF_LOSSSCALE_DATA": "/data", "HF_LOSSSCALE_REQUIRE_DATA": "1"}
+    assert resolve_config(None, None, env) == resolve_config(None, None, {})
+
+
 GOOD_STATE = DynamicLossScaler().state_dict()
 STATES = [
     ([1], "must be a dict"),
