@@ -130,8 +130,8 @@ def render(result: dict) -> str:
     lines.append("")
     fp32 = _values(result, "fp32", metric)
     if fp32:
-        lines.append(f"FP32 {shown}: {' / '.join(_fmt(metric, v) for v in fp32)} "
-                     f"(seed spread {_fmt(metric, max(fp32) - min(fp32))}).")  # fmt: skip
+        spread = f" (seed spread {_fmt(metric, max(fp32) - min(fp32))})" if len(fp32) > 1 else ""
+        lines.append(f"FP32 {shown}: {' / '.join(_fmt(metric, v) for v in fp32)}{spread}.")
     lines += [verdict_line(v, shown) for v in verdicts(result)]
     return "\n".join(lines) + "\n"
 
