@@ -180,7 +180,9 @@ def render_headline(folder: Path) -> str:
 
 
 def _word(v: dict) -> str:
-    return f"{v['n']} seeds: no verdict" if v["verdict"] == "too few seeds" else v["finding"]
+    if v["verdict"] == "too few seeds":
+        return f"{v['n']} seed{'s' if v['n'] != 1 else ''}: no verdict"
+    return v["finding"]
 
 
 def write_readme(readme: Path, tables: str, start: str = START, end: str = END) -> None:
