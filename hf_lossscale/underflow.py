@@ -189,11 +189,12 @@ def _groups(found: dict[str, Any]) -> dict[str, float]:
 def _measure(model, batches, accum, reference, scale) -> dict[str, Any]:
     low = _grads(model, None, _loss, fp16_emulation("cuda"), scale / accum, micro_batches=batches)
     found = compare_gradients(reference, low, scale)
+    groups = _groups(found)
     return {
         "scale": scale,
         "flushed_fraction": found["flushed_fraction"],
-        "flushed_head": _groups(found)["head"],
-        "flushed_rest": _groups(found)["rest"],
+        "flushed_head": groups["head"],
+        "flushed_rest": groups["rest"],
         "relative_grad_error": found["relative_grad_error"],
         "overflow": found["overflow"],
         "per_module": found["per_module"],

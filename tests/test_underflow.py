@@ -35,7 +35,10 @@ def test_each_point_is_measured_against_its_own_reference(tiny, objective):
         assert row["at_1"]["flushed_fraction"] >= settled["flushed_fraction"]
         if objective != "cls":
             assert row["at_1"]["flushed_head"] is not None and row["at_1"]["flushed_rest"] is not None
-    assert result["rows"][0]["tokens"] == (16 if objective != "cls" else result["rows"][0]["tokens"])
+    tokens = result["rows"][0][
+        "tokens"
+    ]  # one micro-batch of 1 x 16: LM blocks are full, a sentence is cut at 16
+    assert tokens == 16 if objective != "cls" else 2 < tokens <= 16
 
 
 def test_settled_scale_is_the_largest_that_does_not_overflow(tiny):

@@ -296,11 +296,11 @@ def merge_results(path: Path, result: dict) -> Path:
     import fcntl
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    result["config"] = config_key(result["command"])
+    config = config_key(result["command"])
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         old = json.loads(path.read_text()) if path.is_file() else None
-        if old is not None and config_key(old["command"]) == result["config"]:
+        if old is not None and config_key(old["command"]) == config:
             new_keys = {(r["setting"], r["seed"]) for r in result["runs"]}
             kept = [r for r in old["runs"] if (r["setting"], r["seed"]) not in new_keys]
             result["runs"] = sorted(kept + result["runs"], key=lambda r: (r["seed"], r["setting"]))
