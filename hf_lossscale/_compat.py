@@ -1,4 +1,4 @@
-"""The accelerate / transformers versions and internals the integration is tested against.
+"""The accelerate / transformers / torch versions and internals the integration is tested against.
 
 `tests/test_compat.py` fails loudly when the installed versions or these internals change, so an
 upgrade is re-verified before it ships.
@@ -17,6 +17,16 @@ INTERNALS = [
     ("transformers.trainer", "SCALER_NAME"),
     ("transformers.trainer", "Trainer._save_scaler"),
     ("transformers.trainer", "Trainer._load_scaler"),
+    # Accelerate's clip path, which install_loss_scaler routes through DynamicLossScaler.clip_grad_norm_
+    ("accelerate.accelerator", "Accelerator._clip_grad_norm_dtensor_aware"),
+    ("accelerate.accelerator", "Accelerator.is_fsdp2"),
+    # torch's clip_grad_norm_ internals, reproduced step for step so the norm is bitwise torch's
+    ("torch.utils._foreach_utils", "_group_tensors_by_device_and_dtype"),
+    ("torch.utils._foreach_utils", "_has_foreach_support"),
+    ("torch.utils._foreach_utils", "_device_has_foreach_support"),
+    ("torch", "_foreach_norm"),
+    ("torch", "_foreach_mul_"),
+    ("torch", "_amp_foreach_non_finite_check_and_unscale_"),
 ]
 
 

@@ -42,8 +42,9 @@ class LossScaledOptimizer(AcceleratedOptimizer):
 
     Accelerate decides "skipped" by whether `optimizer.step` was called, which is wrong for fused
     optimizers: they are always called and skip inside the kernel (accelerate issue 4242).
-    Reading `step_was_skipped` costs one host read of a 0-d device tensor, once per step however
-    many callers ask.
+    With a fused optimizer, reading `step_was_skipped` costs one host read of a 0-d device tensor,
+    once per step however many callers ask; otherwise `scaler.step()` already read the flag and
+    reading it costs nothing.
     """
 
     def step(self, closure=None):
@@ -52,7 +53,7 @@ class LossScaledOptimizer(AcceleratedOptimizer):
         if self.gradient_state.sync_gradients and isinstance(scaler, DynamicLossScaler):
             flag = scaler.step_skipped_tensor
             self._skip_flag = flag if scaler.is_enabled() else None  # a snapshot: update() replaces it
-            self._skip_value = None
+            self._skip_value = scaler.last_step_skipped_if_known  # None: only the device knows
 
     @property
     def step_was_skipped(self) -> bool:
@@ -89,6 +90,10 @@ def install_loss_scaler(
     `torch.autocast("cpu", dtype=torch.float16)`, about 20x slower than FP32 (for correctness work
     and demos). Which one ran is logged and kept in `accelerator.hf_lossscale_fp16` (`"emulated"`,
     `"native-cpu"` or `"cuda"`).
+
+    `accelerator.clip_grad_norm_` then unscales, checks and clips in one read of the gradients
+    (`DynamicLossScaler.clip_grad_norm_`) when its parameters are exactly one prepared optimizer's;
+    it returns the unscaled norm as before.
 
     Returns the scaler, or `None` (with a warning) when the run is not FP16: bf16/FP32 need no
     loss scaling.
@@ -136,6 +141,7 @@ def install_loss_scaler(
     for model in accelerator._models:
         scaler.set_parameter_names(accelerator.unwrap_model(model, keep_fp32_wrapper=True))
     _hook_prepare(accelerator)
+    _route_clip(accelerator)
     logger.info("hf_lossscale: installed %r", scaler)
     return scaler
 
@@ -286,3 +292,66 @@ def _hook_prepare(accelerator: Accelerator) -> None:
 
     accelerator.prepare_model = hooked_prepare_model
     accelerator.prepare_optimizer = hooked_prepare_optimizer
+
+
+# ---------------------------------------------------------------------- clipping
+_CLIP_ROUTED = (
+    DistributedType.NO,
+    DistributedType.MULTI_GPU,
+    DistributedType.MULTI_CPU,
+    DistributedType.FSDP,
+)
+
+
+def _route_clip(accelerator: Accelerator) -> None:
+    """Send `accelerator.clip_grad_norm_` through `DynamicLossScaler.clip_grad_norm_` (unscale,
+    overflow check and clip in one read of the gradients) where that gives Accelerate's result:
+    the parameters with gradients are exactly those of one prepared optimizer, the run is FP16
+    with our scaler, and it is not FSDP1 (whose wrapped module clips its own shards), DeepSpeed or
+    XLA. Anything else goes to Accelerate's own method, unchanged."""
+    if getattr(accelerator, "_hf_lossscale_clip_routed", False):
+        return
+    accelerator._hf_lossscale_clip_routed = True
+    original = accelerator.clip_grad_norm_
+
+    @functools.wraps(original)
+    def clip_grad_norm_(parameters, max_norm, norm_type=2):
+        parameters = list(parameters)
+        target = _single_optimizer_of(accelerator, parameters)
+        if target is None:
+            return original(parameters, max_norm, norm_type=norm_type)
+        scaler = accelerator.scaler
+        for opt in accelerator._optimizers:  # Accelerate unscales every optimizer here
+            inner = _innermost(opt)
+            if inner is not target:
+                scaler.unscale_(inner)
+        return scaler.clip_grad_norm_(target, max_norm, norm_type, parameters=parameters)
+
+    accelerator.clip_grad_norm_ = clip_grad_norm_
+
+
+def _innermost(optimizer: Any) -> torch.optim.Optimizer:
+    while isinstance(optimizer, AcceleratedOptimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def _single_optimizer_of(accelerator: Accelerator, parameters: list[torch.Tensor]) -> Any:
+    """The prepared optimizer whose parameters with gradients are exactly `parameters`' (else None)."""
+    scaler = accelerator.scaler
+    if (
+        not isinstance(scaler, DynamicLossScaler)
+        or not scaler.is_enabled()
+        or not (accelerator.native_amp and accelerator.mixed_precision == "fp16")
+        or accelerator.distributed_type not in _CLIP_ROUTED
+        or (accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2)
+    ):
+        return None
+    wanted = {id(p) for p in parameters if p.grad is not None}
+    matches = []
+    for opt in accelerator._optimizers:
+        inner = _innermost(opt)
+        owned = {id(p) for g in inner.param_groups for p in g["params"] if p.grad is not None}
+        if owned == wanted:
+            matches.append(inner)
+    return matches[0] if len(matches) == 1 else None

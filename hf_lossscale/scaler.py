@@ -8,6 +8,7 @@ back to the host. `step()` costs no host synchronisation with optimizers that ta
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections import abc, defaultdict
 from collections.abc import Iterable
@@ -16,6 +17,8 @@ from typing import Any
 
 import torch
 
+from ._gradnorm import total_norm
+from ._hostcopy import HostCopy
 from .config import LossScaleConfig
 from .telemetry import GradientTelemetry
 
@@ -27,6 +30,7 @@ STATE_FORMAT_VERSION = 1
 _COUNTER_KEYS = ("_hysteresis_tracker", "total_steps", "skipped_steps", "consecutive_skips")
 _TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
 _MAX_NAMES = 8  # parameter names kept for an overflow report
+_MAX_PENDING_NAMES = 4  # overflow-flag copies in flight to the host
 
 
 class LossScaleCollapseError(RuntimeError):
@@ -118,11 +122,12 @@ class DynamicLossScaler:
         self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_fresh_optimizer_state)
         self._param_names: dict[int, str] = {}
         # Lazy collapse check: a host copy of `consecutive_skips` taken at each update.
-        self._host_consecutive: torch.Tensor | None = None
-        self._host_copy_event: Any = None
+        self._consecutive_copy: HostCopy | None = None
         self._known_consecutive = 0  # last value read from the host copy
-        #: Names of the parameters whose gradients were non-finite at the last recorded skip.
-        self.overflow_params: list[str] = []
+        # Per-parameter non-finite flags on their way to the host: (copy, optimizer, parameters).
+        self._pending_names: list[tuple[HostCopy, torch.optim.Optimizer, list[torch.Tensor]]] = []
+        self._overflow_params: list[str] = []
+        self._host_skipped: bool | None = None  # the last step's skip, where the host already knows it
         #: Exponent histograms of the scaled gradients every `config.telemetry_interval` iterations.
         self.telemetry = GradientTelemetry(config.telemetry_interval)
         self._iteration = 0  # host-side count of update() calls: decides telemetry without a sync
@@ -299,9 +304,6 @@ class DynamicLossScaler:
             flag = torch.stack([f.to(self._scale.device) for f in found.values()]).amax()
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._found_inf_group)
             found = {flag.device: flag}
-        if self._known_consecutive > 0:
-            # We are in a run of skipped steps: name the culprits while the gradients exist.
-            self._record_overflow_params(optimizer)
         return found
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -358,10 +360,25 @@ class DynamicLossScaler:
             if state["stage"] is OptState.READY:
                 self._check_inf_per_device(optimizer)
                 grad_scale = self._scale * getattr(optimizer, "grad_scale", 1)
+            elif "grad_scale" in state:  # clip_grad_norm_ left unscale and clip to the kernel
+                grad_scale = state.pop("grad_scale")
             else:  # already unscaled: the kernel must not divide again
                 grad_scale = getattr(optimizer, "grad_scale", None)
+            if self._known_consecutive > 0 and not state.get("named"):
+                # In a run of skipped steps (the host knows from its last copy): name the culprits.
+                self._queue_overflow_names(optimizer)
+            found_inf = self._found_inf(optimizer)
+            if _fused_sgd_first_step(optimizer) and found_inf.item():
+                # torch's fused SGD skips a first step with its momentum buffers left uninitialised
+                # (empty_like), and the next step uses them: skip here instead. One host read per
+                # step, only until the buffers exist.
+                if not state.get("named"):
+                    self._queue_overflow_names(optimizer)
+                state["host_skipped"] = True
+                state["stage"] = OptState.STEPPED
+                return None
             optimizer.grad_scale = grad_scale
-            optimizer.found_inf = self._found_inf(optimizer)
+            optimizer.found_inf = found_inf
             try:
                 retval = optimizer.step(*args, **kwargs)
             finally:
@@ -373,13 +390,115 @@ class DynamicLossScaler:
         if state["stage"] is OptState.READY:
             self.unscale_(optimizer)
         retval = None
-        if not self._found_inf(optimizer).item():  # the one host sync of the non-fused path
+        skipped = bool(self._found_inf(optimizer).item())  # the one host sync of the non-fused path
+        if not skipped:
             retval = optimizer.step(*args, **kwargs)
-        elif self._known_consecutive == 0:
-            # First skip of a run: the flag was read anyway, name the culprits now.
-            self._record_overflow_params(optimizer)
+        elif not state.get("named"):
+            self._queue_overflow_names(optimizer)  # the host knows: name the culprits, read back later
+        state["host_skipped"] = skipped
         state["stage"] = OptState.STEPPED
         return retval
+
+    def clip_grad_norm_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        max_norm: float,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: bool | None = None,
+        *,
+        parameters: Iterable[torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Unscale, check and clip one optimizer's gradients in one read of them; return the total
+        norm of the *unscaled* gradients (a device tensor, no host synchronisation).
+
+        The result of `scaler.unscale_(optimizer)` followed by `torch.nn.utils.clip_grad_norm_` over
+        the optimizer's parameters (bitwise for a power-of-two scale, see the README), for less traffic:
+
+        - one read of the gradients gives both the norm (of the scaled gradients, divided by the
+          scale) and the overflow flag (a norm is inf/NaN exactly when some gradient is);
+        - with an optimizer that takes `grad_scale`/`found_inf` (torch's fused Adam/AdamW/SGD)
+          nothing is written: `step()` hands the kernel `scale / clip_coefficient` as its divisor.
+          The gradients in memory stay scaled until the kernel reads them;
+        - otherwise one `_foreach_mul_` by `clip_coefficient / scale`.
+
+        A non-finite norm leaves the gradients' values as they are (scaled) and `step()` skips, as
+        always. `error_if_nonfinite=True` reads the norm on the host, as torch's does. Norm types
+        other than 2 and inf, sparse gradients, local-shard paths (`sync_found_inf_across()`) and
+        a second call take the plain path: `unscale_()` and `torch.nn.utils.clip_grad_norm_`.
+        DTensor gradients (FSDP2) get the global norm. In `"off"` mode this is torch's function.
+
+        `parameters` (optional) orders the per-tensor norms before they are summed, so that
+        `parameters=model.parameters()` gives `torch.nn.utils.clip_grad_norm_(model.parameters())`'s
+        norm bitwise; those with gradients must be exactly the optimizer's parameters with gradients.
+        """
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if parameters is not None:
+            parameters = list(parameters)
+            given = {id(p) for p in parameters if p.grad is not None}
+            if given != {id(p) for p in params if p.grad is not None}:
+                raise ValueError(
+                    "clip_grad_norm_(parameters=...): the parameters with gradients must be exactly the "
+                    "optimizer's parameters with gradients (it clips what this optimizer steps)."
+                )
+            params = parameters
+        if not self.is_enabled():
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+        self._require_init("clip_grad_norm_")
+        state = self._per_optimizer_states[id(optimizer)]
+        if state["stage"] is OptState.STEPPED:
+            raise RuntimeError("clip_grad_norm_() is being called after step().")
+        norm_type = float(norm_type)
+        with_grad = [p for p in params if p.grad is not None]
+        if (
+            state["stage"] is OptState.UNSCALED
+            or norm_type not in (2.0, math.inf)
+            or self._found_inf_group is not None
+            or any(p.grad.is_sparse for p in with_grad)
+        ):
+            if state["stage"] is OptState.READY:
+                self.unscale_(optimizer)
+            else:
+                self._apply_deferred_unscale(optimizer, state)
+            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
+
+        grouped = self._grads_by_device_and_dtype(optimizer)  # refuses FP16 parameters
+        if self.telemetry.due(self._iteration):  # the scaled gradients, as unscale_ sees them
+            self.telemetry.observe(self._named_grads(optimizer), self._iteration)
+        with torch.no_grad():
+            scaled_norm, per_tensor = total_norm([p.grad for p in with_grad], norm_type, foreach)
+            device = scaled_norm.device if with_grad else self._scale.device
+            scale = self._scale.to(device, non_blocking=True)
+            norm = scaled_norm.to(device) / scale  # exact for a power-of-two scale
+            found = (~torch.isfinite(norm)).float()
+            if error_if_nonfinite and found:
+                raise RuntimeError(
+                    f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "
+                    "so it cannot be clipped. To disable this error and scale the gradients by the "
+                    "non-finite norm anyway, set `error_if_nonfinite=False`"
+                )
+            coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)  # torch's formula
+            if getattr(optimizer, "_step_supports_amp_scaling", False):
+                state["grad_scale"] = torch.where(found > 0, scale, scale / coef)
+            else:
+                inv_scale = self._scale.double().reciprocal().float().to(device)
+                _mul_grads_(grouped, torch.where(found > 0, 1.0, coef * inv_scale), foreach)
+        if per_tensor is not None:
+            self._queue_overflow_names(optimizer, with_grad, ~torch.isfinite(per_tensor))
+            state["named"] = True
+        state["found_inf_per_device"] = {device: found}
+        state["stage"] = OptState.UNSCALED
+        return norm
+
+    def _apply_deferred_unscale(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """Divide by the divisor `clip_grad_norm_` left for a fused kernel, now (one write pass):
+        for a caller that reads or clips the gradients again before `step()`."""
+        grad_scale = state.pop("grad_scale", None)
+        if grad_scale is not None:
+            with torch.no_grad():
+                _mul_grads_(
+                    self._grads_by_device_and_dtype(optimizer), grad_scale.double().reciprocal().float(), None
+                )
 
     # ------------------------------------------------------------------ update
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
@@ -402,10 +521,14 @@ class DynamicLossScaler:
         if new_scale is not None:
             self._set_scale(new_scale)
             self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
+            self._host_skipped = None
             return
         if not self.is_enabled():
             self._total_steps += 1
+            self._host_skipped = False
             return
+        known = [state.get("host_skipped") for state in self._per_optimizer_states.values()]
+        self._host_skipped = any(known) if known and None not in known else None
         flags = [
             f.to(self._scale.device, non_blocking=True)
             for state in self._per_optimizer_states.values()
@@ -453,20 +576,21 @@ class DynamicLossScaler:
             self._scale.fill_(float(new_scale))
 
     def _poll_consecutive_skips(self) -> None:
-        """Read the consecutive-skip counter without a host sync; raise on collapse."""
-        if self._consecutive_skips.device.type == "cpu":
-            # CPU tensors are host memory: tolist() reads them without a dispatch-level sync.
-            self._known_consecutive = self._consecutive_skips.tolist()
-        else:
-            if self._host_copy_event is not None and self._host_copy_event.query():
-                self._known_consecutive = self._host_consecutive.tolist()
-                self._host_copy_event = None
-            if self._host_copy_event is None:
-                if self._host_consecutive is None:
-                    self._host_consecutive = torch.zeros((), dtype=torch.int64).pin_memory()
-                self._host_consecutive.copy_(self._consecutive_skips, non_blocking=True)
-                self._host_copy_event = torch.Event(self._consecutive_skips.device.type)
-                self._host_copy_event.record()
+        """Read the consecutive-skip counter from a host copy, without waiting; raise on collapse.
+
+        A copy is queued at an update and read at the first later update where it has landed (on
+        the CPU: at once). Overflow names that have reached the host are picked up first.
+        """
+        self._resolve_overflow_names()
+        if self._consecutive_copy is not None and self._consecutive_copy.ready():
+            self._known_consecutive = self._consecutive_copy.value()
+            self._consecutive_copy = None
+        if self._consecutive_copy is None:
+            copy = HostCopy(self._consecutive_skips)
+            if copy.ready():
+                self._known_consecutive = copy.value()
+            else:
+                self._consecutive_copy = copy
         limit = self.config.max_consecutive_skips
         if limit is not None and self._known_consecutive >= limit:
             self._raise_collapse()
@@ -499,16 +623,43 @@ class DynamicLossScaler:
                 if param.grad is not None and not param.grad.is_sparse:
                     yield self._name_of(param, optimizer), _local(param.grad)  # this rank's shard
 
-    def _record_overflow_params(self, optimizer: torch.optim.Optimizer) -> None:
-        """Name the parameters whose gradients are non-finite (one host sync; skipped steps only)."""
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+    @property
+    def overflow_params(self) -> list[str]:
+        """Names of the parameters whose gradients were non-finite at the last named skipped step.
+
+        Named without a host sync, from copies read once they reach the host: every skip on the
+        non-fused path and under `clip_grad_norm_`, and the skips after the first of a run
+        otherwise (fused optimizers decide inside their kernel). On CUDA a name shows up an
+        update or two after its step.
+        """
+        self._resolve_overflow_names()
+        return list(self._overflow_params)
+
+    def _queue_overflow_names(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: list[torch.Tensor] | None = None,
+        nonfinite: torch.Tensor | None = None,
+    ) -> None:
+        """Send per-parameter non-finite flags to the host (computed here unless given: one read of
+        the gradients, only on steps known to be skipped); `_resolve_overflow_names` reads them."""
+        if params is None:
+            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         if not params:
             return
-        with torch.no_grad():
-            bad = torch.stack([~torch.isfinite(_local(p.grad)).all() for p in params]).tolist()
-        names = [self._name_of(p, optimizer) for p, b in zip(params, bad) if b]
-        if names:
-            self.overflow_params = names[:_MAX_NAMES]
+        if nonfinite is None:
+            first = params[0].grad.device
+            with torch.no_grad():
+                nonfinite = torch.stack([(~torch.isfinite(_local(p.grad)).all()).to(first) for p in params])
+        self._pending_names.append((HostCopy(nonfinite), optimizer, params))
+        del self._pending_names[:-_MAX_PENDING_NAMES]
+
+    def _resolve_overflow_names(self) -> None:
+        while self._pending_names and self._pending_names[0][0].ready():
+            copy, optimizer, params = self._pending_names.pop(0)
+            names = [self._name_of(p, optimizer) for p, bad in zip(params, copy.value(), strict=True) if bad]
+            if names:
+                self._overflow_params = names[:_MAX_NAMES]
 
     # ------------------------------------------------------------------ reading state
     def _get_scale_async(self) -> torch.Tensor | None:
@@ -534,6 +685,13 @@ class DynamicLossScaler:
         Each `update()` makes a new tensor, so a reference kept by the caller stays that step's flag.
         """
         return self._last_skipped
+
+    @property
+    def last_step_skipped_if_known(self) -> bool | None:
+        """Whether the last iteration's step was skipped, when the host knows it without asking the
+        device (every optimizer of the iteration stepped on the non-fused path, which read the flag
+        in `step()`); `None` when a fused kernel decided. Never synchronises."""
+        return self._host_skipped
 
     @property
     def last_step_skipped(self) -> bool:
@@ -657,10 +815,47 @@ class DynamicLossScaler:
         if self._scale is not None:
             self._lazy_init(self._scale.device)
         self._known_consecutive = state["consecutive_skips"]
+        self._consecutive_copy = None  # a copy in flight belongs to the state replaced here
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
 
     def __repr__(self) -> str:
         return f"DynamicLossScaler({self.config!r}, device={self.device})"
+
+
+def _fused_sgd_first_step(optimizer: torch.optim.Optimizer) -> bool:
+    """A fused SGD with momentum whose momentum buffers do not exist yet (its first step)."""
+    if not isinstance(optimizer, torch.optim.SGD):
+        return False
+    return any(
+        group.get("fused")
+        and group["momentum"] != 0
+        and any(
+            p.grad is not None and "momentum_buffer" not in optimizer.state.get(p, {})
+            for p in group["params"]
+        )
+        for group in optimizer.param_groups
+    )
+
+
+def _mul_grads_(grouped: dict, factor: torch.Tensor, foreach: bool | None) -> None:
+    """Multiply gradients grouped by device and dtype by a 0-d tensor, in place, as torch's
+    `clip_grads_with_norm_` does (foreach where supported, else tensor by tensor)."""
+    from torch.utils._foreach_utils import _device_has_foreach_support, _has_foreach_support
+
+    for device, per_dtype in grouped.items():
+        f = factor.to(device, non_blocking=True)
+        for grads in per_dtype.values():
+            if (foreach is None and _has_foreach_support(grads, device)) or (
+                foreach and _device_has_foreach_support(device)
+            ):
+                torch._foreach_mul_(grads, f)
+            elif foreach:
+                raise RuntimeError(
+                    f"foreach=True was passed, but can't use the foreach API on {device.type} tensors"
+                )
+            else:
+                for g in grads:
+                    g.mul_(f)
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

@@ -176,3 +176,84 @@ def test_skip_flag_is_read_once_per_step():
     acc, scaler, model, opt, history = run("before", "adamw_fused", steps=3, bad=(2,))
     assert count_reads(lambda: [opt.step_was_skipped for _ in range(3)]) == 0  # read when run() asked
     assert opt.step_was_skipped is True and acc.optimizer_step_was_skipped is True
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw_fused"])
+def test_clip_grad_norm_is_routed_and_equals_accelerates_own(optimizer, monkeypatch):
+    """`accelerator.clip_grad_norm_` goes through `DynamicLossScaler.clip_grad_norm_` and returns
+    what Accelerate's own method returns (unscale_gradients + torch's clip), step by step, over a
+    run with a skipped step. Bug caught: the scaled norm returned, the found-inf flag lost (the
+    overflowing step applied), other optimizers left scaled, or a routing that never happens."""
+
+    def train(routed):
+        acc = Accelerator(mixed_precision="fp16")
+        scaler = install_loss_scaler(acc, LossScaleConfig(init_scale=2.0**10, fp16_on_cpu="emulate"))
+        calls = []
+        clip = scaler.clip_grad_norm_
+        monkeypatch.setattr(scaler, "clip_grad_norm_", lambda *a, **k: calls.append(1) or clip(*a, **k))
+        if not routed:
+            acc.clip_grad_norm_ = Accelerator.clip_grad_norm_.__get__(acc)  # Accelerate's own
+        model = tiny_mlp()
+        kind = {"sgd": {"momentum": 0.9}, "adamw_fused": {"fused": True}}[optimizer]
+        opt_cls = torch.optim.SGD if optimizer == "sgd" else torch.optim.AdamW
+        model, opt = acc.prepare(model, opt_cls(model.parameters(), lr=1e-2, **kind))
+        g = torch.Generator().manual_seed(0)
+        norms, skips = [], []
+        for step in range(6):
+            loss = model(torch.randn(16, 4, generator=g)).pow(2).mean() * 50
+            acc.backward(loss * float("inf") if step == 3 else loss)
+            norms.append(acc.clip_grad_norm_(model.parameters(), 0.5).item())
+            opt.step()
+            opt.zero_grad()
+            skips.append(acc.optimizer_step_was_skipped)
+        params = [p.detach().clone() for p in acc.unwrap_model(model).parameters()]
+        return norms, skips, params, len(calls)
+
+    ours, theirs = train(routed=True), train(routed=False)
+    assert ours[3] == 6 and theirs[3] == 0
+    assert ours[1] == theirs[1] == [False, False, False, True, False, False]
+    assert any(n > 0.5 for n in theirs[0][:3])  # it clips
+    if optimizer == "sgd":  # bitwise
+        assert ours[0][:3] == theirs[0][:3] and ours[0][4:] == theirs[0][4:]
+        assert all(torch.equal(a, b) for a, b in zip(ours[2], theirs[2], strict=True))
+    else:  # the fused kernel's divisor: within an ulp per step
+        torch.testing.assert_close(ours[0][4:], theirs[0][4:], rtol=1e-5, atol=0)
+        for a, b in zip(ours[2], theirs[2], strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+    assert not torch.isfinite(torch.tensor(ours[0][3])) and not torch.isfinite(torch.tensor(theirs[0][3]))
+
+
+def test_clip_of_a_parameter_subset_uses_accelerates_path():
+    """A subset of one optimizer's parameters: Accelerate's own path (every gradient unscaled, the
+    subset's norm), not ours (which clips exactly what one optimizer steps)."""
+    acc = Accelerator(mixed_precision="fp16")
+    scaler = install_loss_scaler(acc, LossScaleConfig(init_scale=2.0**4))
+    model = tiny_mlp()
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    acc.backward(model(torch.randn(8, 4)).pow(2).mean())
+    first = list(acc.unwrap_model(model)[0].parameters())
+    unscaled = [p.grad / 2.0**4 for p in acc.unwrap_model(model).parameters()]
+    assert torch.equal(acc.clip_grad_norm_(first, 1e9), torch.nn.utils.get_total_norm(unscaled[:2]))
+    assert all(
+        torch.equal(p.grad, u) for p, u in zip(acc.unwrap_model(model).parameters(), unscaled, strict=True)
+    )
+    opt.step()
+    assert scaler.stats()["total_steps"] == 1
+
+
+@pytest.mark.parametrize("optimizer", ["sgd", "adamw_fused"])
+def test_step_was_skipped_reads_the_device_only_for_fused_kernels(optimizer):
+    """Non-fused: `scaler.step()` already read the flag, so `step_was_skipped` costs no read.
+    Fused: one read, the first time it is asked. Bug caught: the extra sync per step under
+    Accelerate and the Trainer with non-fused optimizers."""
+    from hf_lossscale._sync_count import count_reads
+
+    acc, scaler, model, opt, history = run("before", optimizer, steps=2, bad=())
+    for bad in (False, True, False):
+        loss = model(torch.randn(4, 4)).pow(2).mean()
+        acc.backward(loss * float("inf") if bad else loss)
+        opt.step()
+        opt.zero_grad()
+        reads = count_reads(lambda: opt.step_was_skipped)
+        assert reads == (1 if optimizer == "adamw_fused" else 0)
+        assert opt.step_was_skipped is bad and count_reads(lambda: opt.step_was_skipped) == 0

@@ -44,6 +44,27 @@ def test_step_overhead_smoke(tmp_path):
         assert syncs["DynamicLossScaler"] <= syncs["GradScaler"]
 
 
+def test_step_overhead_clip_table(tmp_path):
+    """The clip table's sync column counts what each design reads on the host per step: torch's
+    sequence and the DeepSpeed-style fold read the found-inf flag with foreach AdamW, ours with
+    fused AdamW reads nothing."""
+    result = load("step_overhead").main(["--tiny", "--clip_only", "--output", str(tmp_path / "c.json")])
+    rows = result["clip"]["rows"]
+    syncs = {row: r["syncs_added"] for row, r in rows.items()}
+    assert syncs == {
+        "torch: unscale_ + clip_grad_norm_ (AdamW foreach)": 1,
+        "torch: unscale_ + clip_grad_norm_ (AdamW fused)": 0,
+        "DeepSpeed-style: norm, then one multiply (AdamW foreach)": 1,
+        "ours: clip_grad_norm_ (AdamW fused)": 0,
+        "ours: clip_grad_norm_ (AdamW foreach)": 1,
+    }
+    for r in rows.values():
+        low, high = r["phase_vs_torch_quartiles"]
+        assert low <= r["phase_vs_torch"] <= high and r["phase_median_s"] > 0
+        assert 0 <= r["step_faster_in"] <= r["repeats"] == 2
+    assert 0 < result["clip"]["floor_fused_vs_torch"] < result["clip"]["floor_foreach_vs_torch"] < 1
+
+
 def test_gpu_check_is_ready():
     import subprocess
 

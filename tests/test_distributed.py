@@ -38,6 +38,28 @@ def test_fsdp2_inf_in_one_shard_skips_on_every_rank(ranks):
     assert ranks[1]["fsdp2"]["overflow_params"] == ["0.weight"]  # named where the inf was
 
 
+def test_fsdp2_clip_grad_norm_is_the_global_norm(ranks):
+    """`clip_grad_norm_` on DTensor gradients: the same (global) norm on both ranks as torch's
+    clip_grad_norm_ after unscale_, both ranks skip the step with the inf in one shard. Bug caught:
+    a rank-local norm (ranks disagree, the clean rank steps)."""
+    import math
+
+    for r in ranks:
+        ours, theirs = r["fsdp2_clip"]["ours"], r["fsdp2_clip"]["torch"]
+        assert ours["skipped"] == theirs["skipped"] == 1
+        assert math.isinf(ours["norms"][2]) or math.isnan(ours["norms"][2])
+        for a, b in zip(ours["norms"], theirs["norms"], strict=True):
+            assert (
+                (a == b)
+                or (not math.isfinite(a) and not math.isfinite(b))
+                or math.isclose(a, b, rel_tol=1e-6)
+            )
+        for a, b in zip(ours["params"], theirs["params"], strict=True):
+            assert all(math.isclose(x, y, rel_tol=1e-5, abs_tol=1e-7) for x, y in zip(a, b, strict=True))
+    assert ranks[0]["fsdp2_clip"]["ours"]["norms"] == ranks[1]["fsdp2_clip"]["ours"]["norms"]
+    assert ranks[0]["fsdp2_clip"]["ours"]["params"] == ranks[1]["fsdp2_clip"]["ours"]["params"]
+
+
 def test_rank_with_an_empty_shard_does_not_hang(ranks):
     assert ranks[1]["fsdp2"]["local_shapes"]["2.weight"] == [0, 16]
     assert ranks[0]["fsdp2"]["local_shapes"]["2.weight"] == [1, 16]

@@ -347,3 +347,42 @@ def test_accumulated_loss_is_averaged_for_models_that_ignore_num_items(tmp_path)
     for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
         if q.grad is not None:
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"])
+def test_logged_grad_norm_is_torchs_unscaled_norm(tmp_path, monkeypatch, optim):
+    """The Trainer clips through `DynamicLossScaler.clip_grad_norm_` (routed by the Accelerate hook);
+    its logged `grad_norm` must be the norm torch's unscale_ + clip_grad_norm_ sequence gives
+    (Accelerate's own clip_grad_norm_), step by step, with an overflow in the run. Bug caught:
+    the scaled norm logged (x1024), or the routed path diverging from torch's."""
+    from hf_lossscale import accelerate_hook
+    from hf_lossscale import scaler as scaler_module
+
+    calls = []
+    routed_clip = scaler_module.DynamicLossScaler.clip_grad_norm_
+
+    def spy(self, *args, **kwargs):
+        calls.append(1)
+        return routed_clip(self, *args, **kwargs)
+
+    monkeypatch.setattr(scaler_module.DynamicLossScaler, "clip_grad_norm_", spy)
+    runs = {}
+    for routed in (True, False):
+        if not routed:
+            monkeypatch.setattr(accelerate_hook, "_single_optimizer_of", lambda *a: None)
+        trainer, rec, _, _ = train(
+            tmp_path / str(routed), bad_steps=(4,), optim=optim, logging_steps=1, max_grad_norm=0.5,
+            loss_scale_fp16_on_cpu="emulate",
+        )  # fmt: skip
+        norms = [h["grad_norm"] for h in trainer.state.log_history if "grad_norm" in h]
+        runs[routed] = (norms, rec.weights[-1], len(calls))
+        calls.clear()
+    (ours, w_ours, n_ours), (theirs, w_theirs, n_theirs) = runs[True], runs[False]
+    assert n_ours == 12 and n_theirs == 0
+    assert len(ours) == len(theirs) == 12 and max(theirs[:4]) > 0.5  # it clipped
+    if optim == "adamw_torch":  # foreach AdamW: bitwise
+        assert ours[:4] == theirs[:4] and ours[5:] == theirs[5:] and torch.equal(w_ours, w_theirs)
+    else:  # fused: the kernel divides by scale / coefficient, within an ulp per step
+        torch.testing.assert_close(ours[5:], theirs[5:], rtol=1e-4, atol=0)
+        torch.testing.assert_close(w_ours, w_theirs, rtol=1e-4, atol=1e-6)
+    assert ours[:4] == theirs[:4]  # same gradients until the first clipped step differs

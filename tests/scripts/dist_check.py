@@ -6,7 +6,9 @@ Each rank writes OUT/rank<R>.json with what it saw, for tests/test_distributed.p
 - local: plain local tensors per rank (a home-made shard), with and without
   `sync_found_inf_across()`, the inf on rank 1 only;
 - ddp: Accelerate (MULTI_CPU, DDP) with install_loss_scaler, an inf loss on rank 1 only;
-- dcp: the scaler state saved and loaded with torch.distributed.checkpoint beside the FSDP2 model.
+- dcp: the scaler state saved and loaded with torch.distributed.checkpoint beside the FSDP2 model;
+- fsdp2_clip: `DynamicLossScaler.clip_grad_norm_` against `unscale_` + torch's `clip_grad_norm_`
+  on DTensor gradients (the global norm), an inf in rank 1's shard at step 2.
 """
 
 import hashlib
@@ -78,6 +80,41 @@ def fsdp2(rank: int) -> dict:
     return out
 
 
+def fsdp2_clip(rank: int) -> dict:
+    from torch.distributed.fsdp import fully_shard
+
+    out = {}
+    for ours in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+        for layer in (model[0], model[2]):
+            fully_shard(layer)
+        fully_shard(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scaler = DynamicLossScaler(init_scale=2.0**10)
+        norms = []
+        for step in range(4):
+            torch.manual_seed(100 + step * 2 + rank)
+            scaler.scale(model(torch.randn(4, 8)).pow(2).mean() * 10).backward()
+            if step == 2 and rank == 1:
+                model[0].weight.grad.to_local()[0, 0] = float("inf")
+            if ours:
+                norm = scaler.clip_grad_norm_(opt, 0.05, parameters=model.parameters())
+            else:
+                scaler.unscale_(opt)
+                norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+            norms.append(full(norm).item())
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        out["ours" if ours else "torch"] = {
+            "norms": norms,
+            "skipped": scaler.stats()["skipped_steps"],
+            "params": [full(p).detach().flatten().tolist() for p in model.parameters()],
+        }
+    return out
+
+
 def local(rank: int, sync: bool) -> dict:
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 4)
@@ -135,6 +172,7 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     result = {"rank": rank, "world_size": world}
     result["fsdp2"] = fsdp2(rank)
+    result["fsdp2_clip"] = fsdp2_clip(rank)
     result["local_sync"] = local(rank, sync=True)
     result["local_nosync"] = local(rank, sync=False)
     result["ddp"] = ddp(rank)
