@@ -8,10 +8,13 @@
 # from them only, then writes everything to benchmarks/results/gpu_check.txt:
 #   1. the CUDA-only tests (pytest -m cuda), among them no host sync on the fused path:
 #      torch.cuda.set_sync_debug_mode("error") around scale/unscale/step/update with fused AdamW,
-#      telemetry every step and one overflowing step;
+#      telemetry every step and one overflowing step, and around scale/clip_grad_norm_/step/update
+#      with fused AdamW and SGD over a run with two skipped steps in the middle
+#      (tests/test_clip.py::test_cuda_clip_path_has_no_sync);
 #   2. fp16_emulation(policy="cuda") against real CUDA autocast: flushed fractions on MiniLM-L6
 #      (benchmarks/gpu_check.py);
-#   3. the step-overhead benchmark with absolute times.
+#   3. the step-overhead benchmark with absolute times, the clip table first (torch's unscale_ +
+#      clip_grad_norm_, the DeepSpeed-style fold, clip_grad_norm_ with fused and foreach AdamW).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 WHEELS="${1:-wheels}"
