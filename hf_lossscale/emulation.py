@@ -17,10 +17,14 @@ How: a `TorchFunctionMode` sees each top-level torch call and applies autocast's
 A tensor rounded to FP16 also rounds its gradient to FP16 in backward (the gradient of an FP16
 tensor is FP16 under autocast): that is where small gradients flush to zero.
 
-Known differences from real FP16, all small against the effects we emulate: in-place ops on
-tagged tensors are not re-rounded; `tensor.dtype` still reports float32 (code branching on it
-takes the FP32 branch); gradients of one FP16 tensor coming from several consumers are summed in
-FP32 before being rounded.
+Explicit upcasts (`.float()`, `.to(torch.float32)`, as in RMSNorm and softmax upcasts) give
+real FP32 tensors; `.T`/`.mT` and device moves keep FP16; 0-d tensors promote as torch promotes
+them; in-place ops on an FP16 tensor re-round its values.
+
+Known differences from real FP16, all small against the effects we emulate: the backward of an
+in-place op is not re-rounded; `tensor.dtype` still reports float32 (code branching on it takes
+the FP32 branch); gradients of one FP16 tensor coming from several consumers are summed in FP32
+before being rounded.
 """
 
 from __future__ import annotations
@@ -34,16 +38,20 @@ from torch.overrides import TorchFunctionMode
 
 __all__ = ["fp16_emulation", "measure_flushed_fraction", "POLICIES", "FP16Emulation"]
 
-# Autocast's lower-precision (FP16) list, shared by CUDA and CPU.
+# Autocast's lower-precision (FP16) list for CUDA (`torch.linalg.*` functions are seen by their
+# `linalg_` names).
 FP16_OPS = frozenset(
     {
         "linear", "matmul", "__matmul__", "__rmatmul__", "mm", "mv", "bmm", "baddbmm", "addmm",
-        "addmv", "addr", "addbmm", "einsum", "chain_matmul", "multi_dot", "linalg_vecdot",
-        "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d", "conv_transpose3d",
-        "conv_tbc", "prelu", "scaled_dot_product_attention",
+        "addmv", "addr", "addbmm", "einsum", "chain_matmul", "multi_dot", "linalg_multi_dot",
+        "linalg_vecdot", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
+        "conv_transpose3d", "conv_tbc", "prelu", "scaled_dot_product_attention",
         "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
     }
 )  # fmt: skip
+# CPU autocast leaves these out of its FP16 list (measured: FP32 in, FP32 out): they follow their inputs.
+_NOT_FP16_ON_CPU = frozenset({"mv", "addmv", "addr", "lstm_cell", "gru_cell"})
+FP16_OPS_BY_POLICY = {"cuda": FP16_OPS, "cpu": FP16_OPS - _NOT_FP16_ON_CPU}
 
 # Losses and a few reductions: FP32 under CPU and CUDA autocast alike.
 _FP32_COMMON = frozenset(
@@ -63,7 +71,7 @@ _FP32_CUDA_ONLY = frozenset(
         "expm1", "log", "log10", "log2", "log1p", "pow", "__pow__", "__rpow__", "rsqrt",
         "reciprocal", "acos", "asin", "cosh", "sinh", "tan", "erfinv", "softplus", "logsumexp",
         "norm", "frobenius_norm", "nuclear_norm", "renorm", "vector_norm", "matrix_norm",
-        "interpolate", "upsample",
+        "linalg_vector_norm", "linalg_matrix_norm", "linalg_norm", "interpolate", "upsample",
     }
 )  # fmt: skip
 
@@ -81,8 +89,12 @@ _EXACT_OPS = frozenset(
     }
 )  # fmt: skip
 
-# Conversions: their output dtype is explicit, never virtually FP16.
+# Conversions: an explicit dtype decides (`.float()` / `.to(torch.float32)` of an FP16 tensor is
+# FP32, as under autocast); a device move keeps FP16 FP16.
 _CONVERSIONS = frozenset({"to", "float", "double", "half", "bfloat16", "type", "type_as", "cpu", "cuda"})
+# Properties that are views of the tensor: FP16 stays FP16.
+_VIEW_PROPERTIES = frozenset({"T", "mT", "H", "mH", "real"})
+_INPLACE_DUNDERS = frozenset({"__iadd__", "__isub__", "__imul__", "__itruediv__", "__idiv__", "__ipow__"})
 
 # Properties and queries: nothing to round or tag.
 _PASSTHROUGH_PREFIXES = (
@@ -155,6 +167,40 @@ def _tag(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _untagged(t: torch.Tensor) -> torch.Tensor:
+    """The same values as a plain FP32 tensor: an alias (autograd-tracked) without the tag."""
+    if not _is_fp16(t):
+        return t
+    with torch._C.DisableTorchFunction():
+        return t.view_as(t)
+
+
+def _is_inplace(name: str) -> bool:
+    return (name.endswith("_") and not name.startswith("__")) or name in _INPLACE_DUNDERS
+
+
+def _convert(name: str, args: tuple, kwargs: dict, out: Any) -> Any:
+    """Tag or untag a conversion's output as autocast would type it."""
+    source = args[0] if args and isinstance(args[0], torch.Tensor) else None
+    if not isinstance(out, torch.Tensor) or out.dtype != torch.float32 or source is None:
+        return out
+    others = [a for a in (*args[1:], kwargs.get("other")) if isinstance(a, torch.Tensor)]
+    # a dtype, or for .type() a type name ("torch.FloatTensor"); for .to() a string is a device
+    dtypes = [
+        a for a in (*args[1:], kwargs.get("dtype"))
+        if isinstance(a, torch.dtype) or (name == "type" and isinstance(a, str))
+    ]  # fmt: skip
+    if others:  # .to(other) / .type_as(other): the other's type, FP16 when it is virtually FP16
+        fp16 = _is_fp16(others[0])
+    elif dtypes or name == "float":  # an explicit FP32 request: real FP32
+        fp16 = False
+    else:  # a device move or a copy: the source's type
+        fp16 = _is_fp16(source)
+    if fp16:
+        return out if out is source else _tag(out)
+    return _untagged(out)
+
+
 class FP16Emulation(TorchFunctionMode):
     """The mode behind `fp16_emulation()`; `policy` names the FP32 op list (`"cuda"` or `"cpu"`)."""
 
@@ -164,26 +210,44 @@ class FP16Emulation(TorchFunctionMode):
             raise ValueError(f"fp16_emulation policy={policy!r} is not one of {sorted(POLICIES)}.")
         self.policy = policy
         self.fp32_ops = POLICIES[policy]
+        self.fp16_ops = FP16_OPS_BY_POLICY[policy]
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
-        if name.startswith(_PASSTHROUGH_PREFIXES) or name in _CONVERSIONS:
+        if name == "__get__":  # a property: .T, .mT, .H, .mH are views and stay FP16
+            out = func(*args, **kwargs)
+            prop = getattr(getattr(func, "__self__", None), "__name__", "")
+            if prop in _VIEW_PROPERTIES and args and _is_fp16(args[0]) and isinstance(out, torch.Tensor):
+                return _tag(out)
+            return out
+        if name.startswith(_PASSTHROUGH_PREFIXES):
             return func(*args, **kwargs)
-        if name in FP16_OPS:
+        if name in _CONVERSIONS:
+            return _convert(name, args, kwargs, func(*args, **kwargs))
+        if name in self.fp16_ops:
             args = _map_tensors(_cast_input, args)
             kwargs = {k: _map_tensors(_cast_input, v) for k, v in kwargs.items()}
             return _map_tensors(_to_fp16, func(*args, **kwargs))
         out = func(*args, **kwargs)
+        if _is_inplace(name):
+            # In place, the result keeps the target's type: FP16 if it is virtually FP16, re-rounded
+            # (values only: the backward of in-place ops is not rounded).
+            target = args[0] if args else None
+            if _is_fp16(target):
+                with torch._C.DisableTorchFunction():
+                    target.data.copy_(target.data.to(torch.float16).to(target.dtype))
+            return out
         if name in self.fp32_ops or kwargs.get("dtype") is not None:
             return out
         inputs = list(_float_tensors(args)) + list(_float_tensors(kwargs.values()))
         if not any(_is_fp16(t) for t in inputs):
             return out
-        if any(t.dim() > 0 and not _is_fp16(t) for t in inputs):
-            return out  # promotion: a dimensioned FP32 input makes the result FP32
-        if name.endswith("_") and not name.startswith("__"):
-            return out  # in-place on an FP16 tensor: keeps its tag, not re-rounded
+        # torch's promotion: dimensioned tensors decide over 0-d ones; among the deciding inputs,
+        # any FP32 one makes the result FP32
+        dimensioned = [t for t in inputs if t.dim() > 0]
+        if any(not _is_fp16(t) for t in dimensioned or inputs):
+            return out
         return _map_tensors(_tag if name in _EXACT_OPS else _to_fp16, out)
 
 

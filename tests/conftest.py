@@ -13,7 +13,7 @@ def pytest_collection_modifyitems(config, items):
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:
-        if "cuda" in item.keywords:
+        if item.get_closest_marker("cuda") is not None:  # the marker, not a parameter id "cuda"
             item.add_marker(skip)
 
 

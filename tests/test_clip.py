@@ -413,3 +413,40 @@ def test_cuda_clip_path_has_no_sync(kind):
     assert [bool(torch.isfinite(n)) for n in norms] == [True, True, False, False, True, True]
     assert scaler.stats()["skipped_steps"] == 2
     assert scaler.overflow_params == ["2.bias"]  # the device is idle: the copies have landed
+
+
+@pytest.mark.parametrize("kind", ["adamw_fused", "sgd_foreach"])
+def test_unscale_path_reads_nothing_more_over_a_run_of_skips(kind):
+    """Without clip_grad_norm_ (unscale_ + step, or step alone): a run of three skipped steps adds
+    no host read on the fused path (the names of later skips come from non-blocking copies) and
+    only the found-inf read on the other. Bug caught: naming the culprits with a `.tolist()` of the
+    gradients during a run of skips (the read the fused path used to make)."""
+    model = tiny_model()
+    opt = make_optimizer(kind, model.parameters())
+    scaler = DynamicLossScaler(init_scale=2.0**10)
+    scaler.set_parameter_names(model)
+    x, y = batch(0)
+    scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+    scaler.step(opt)
+    scaler.update()
+    for group in opt.param_groups:
+        for param in group["params"]:
+            param.grad = torch.zeros_like(param)
+    bare = count_reads(opt.step)
+    opt.zero_grad()
+
+    def loop():
+        for step in range(5):
+            scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+            if step in (1, 2, 3):
+                model[0].bias.grad[2] = float("nan")
+            if step % 2:
+                scaler.unscale_(opt)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+
+    reads = count_reads(loop) - bare * 2  # two clean steps
+    assert reads == (0 if kind == "adamw_fused" else 5)
+    assert scaler.stats()["skipped_steps"] == 3
+    assert scaler.overflow_params == ["0.bias"]

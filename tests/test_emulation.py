@@ -34,6 +34,21 @@ OPS = {
     "cat_mixed": lambda x: torch.cat([x, torch.randn(4, 8)]),
     "add_scalar_tensor": lambda x: x + torch.tensor(2.0),
     "embedding": lambda x: F.embedding(torch.zeros(3, dtype=torch.long), x),
+    # explicit upcasts, views by property, 0-d promotion, linalg names, CPU-only exceptions
+    "float_upcast": lambda x: x.float() * x.float(),
+    "to_float32_rmsnorm": lambda x: x.to(torch.float32).pow(2).mean(-1, keepdim=True),
+    "to_device": lambda x: x.to("cpu") + 1,
+    "type_as_fp32": lambda x: x.type_as(torch.ones(1)),
+    "T": lambda x: x.T,
+    "mT": lambda x: x.mT,
+    "zero_d_times_fp32_zero_d": lambda x: x[0, 0] * torch.tensor(3.0),
+    "zero_d_fp32_times_tensor": lambda x: x * torch.tensor(3.0),
+    "mv": lambda x: torch.mv(x, x[0]),
+    "addmv": lambda x: torch.addmv(x[:, 0], x, x[0]),
+    "addr": lambda x: torch.addr(x, x[:, 0], x[0]),
+    "multi_dot": lambda x: torch.linalg.multi_dot([x, x.T, x]),
+    "vector_norm": lambda x: torch.linalg.vector_norm(x, dim=-1),
+    "inplace_mul": lambda x: x.clone().mul_(1.0001),
 }
 
 
@@ -51,6 +66,74 @@ def test_cpu_policy_matches_cpu_autocast_dtypes(name):
     with fp16_emulation("cpu"):
         emul = [emulated_is_fp16(fn(x)), emulated_is_fp16(fn(F.linear(x, torch.eye(8))))]
     assert emul == real
+
+
+def _fp16_value(v: float):
+    """A 4x8 tensor of `v` that is FP16 under autocast (real or emulated): the output of a linear."""
+    return F.linear(torch.full((4, 8), v), torch.eye(8))
+
+
+@pytest.mark.parametrize("policy", ["cpu", "cuda"])
+def test_explicit_upcast_is_real_fp32(policy):
+    """`.float()` / `.to(torch.float32)` of an FP16 tensor is FP32 under autocast: squaring 400
+    gives 160000, not inf. Bug caught (today's code before the fix): the conversion returned the
+    same FP16-tagged tensor, and every RMSNorm (`hidden.to(torch.float32).pow(2)`) overflowed."""
+    with torch.autocast("cpu", dtype=torch.float16):
+        y = _fp16_value(400.0)
+        real = [(y.float() * y.float())[0, 0].item(), (y.to(torch.float32) ** 2)[0, 0].item()]
+    with fp16_emulation(policy):
+        y = _fp16_value(400.0)
+        emul = [(y.float() * y.float())[0, 0].item(), (y.to(torch.float32) ** 2)[0, 0].item()]
+        assert emulated_is_fp16(y) and emulated_is_fp16(y.to("cpu")) and emulated_is_fp16(y.cpu())
+    assert emul == real == [160000.0, 160000.0]
+
+
+def test_llama_rmsnorm_does_not_invent_an_overflow():
+    """transformers' LlamaRMSNorm on hidden states of 300 (well inside FP16): real CPU autocast and
+    both emulation policies agree; before the fix, emulation gave inf/NaN (300^2 > 65504)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    norm = LlamaRMSNorm(8)
+    with torch.autocast("cpu", dtype=torch.float16):
+        real = norm(_fp16_value(300.0))
+    for policy in ("cpu", "cuda"):
+        with fp16_emulation(policy):
+            emul = norm(_fp16_value(300.0))
+        assert torch.isfinite(emul).all()
+        torch.testing.assert_close(emul, real.float(), rtol=1e-3, atol=0)
+
+
+def test_zero_dim_promotion_and_in_place_rounding():
+    """An FP16 0-d tensor times an FP32 0-d tensor is FP32 in torch (300 * 300 = 90000, not inf);
+    an in-place op on an FP16 tensor leaves FP16 values. Bugs caught: the 0-d FP32 operand ignored
+    in promotion; in-place results kept at FP32 precision."""
+    with torch.autocast("cpu", dtype=torch.float16):
+        y = _fp16_value(300.0)
+        real_0d = (y[0, 0] * torch.tensor(300.0)).item()
+        real_inplace = y.clone().mul_(1.0001)[0, 0].item()
+    with fp16_emulation("cuda"):
+        y = _fp16_value(300.0)
+        emul_0d = (y[0, 0] * torch.tensor(300.0)).item()
+        z = y.clone()
+        z.mul_(1.0001)
+        emul_inplace = z[0, 0].item()
+        assert emulated_is_fp16(z)
+    assert emul_0d == real_0d == 90000.0
+    assert emul_inplace == real_inplace != 300.0 * 1.0001
+
+
+def test_linalg_names_follow_the_cuda_tables():
+    """`torch.linalg.vector_norm` / `matrix_norm` / `norm` are FP32 under the CUDA policy (a norm of
+    170000 stays finite) and `torch.linalg.multi_dot` runs in FP16 (inputs below 2^-24 flush).
+    Bug caught: the functions' `linalg_` names matched neither table."""
+    tiny = torch.full((2, 2), 1e-8)
+    with fp16_emulation("cuda"):
+        big = _fp16_value(30000.0)  # FP16; its norm, 30000 * sqrt(32), is above 65504
+        for fn in (torch.linalg.vector_norm, torch.linalg.matrix_norm, torch.linalg.norm):
+            out = fn(big)
+            assert torch.isfinite(out).all() and not emulated_is_fp16(out), fn.__name__
+        product = torch.linalg.multi_dot([tiny, torch.eye(2), torch.eye(2)])
+        assert emulated_is_fp16(product) and (product == 0).all()
 
 
 def test_cuda_policy_runs_softmax_and_layer_norm_in_fp32():
