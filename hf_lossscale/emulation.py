@@ -45,13 +45,18 @@ FP16_OPS = frozenset(
         "linear", "matmul", "__matmul__", "__rmatmul__", "mm", "mv", "bmm", "baddbmm", "addmm",
         "addmv", "addr", "addbmm", "einsum", "chain_matmul", "multi_dot", "linalg_multi_dot",
         "linalg_vecdot", "conv1d", "conv2d", "conv3d", "conv_transpose1d", "conv_transpose2d",
-        "conv_transpose3d", "conv_tbc", "prelu", "scaled_dot_product_attention",
+        "conv_transpose3d", "conv_tbc", "convolution", "prelu", "scaled_dot_product_attention",
         "lstm_cell", "gru_cell", "rnn_tanh_cell", "rnn_relu_cell",
     }
 )  # fmt: skip
-# CPU autocast leaves these out of its FP16 list (measured: FP32 in, FP32 out): they follow their inputs.
-_NOT_FP16_ON_CPU = frozenset({"mv", "addmv", "addr", "lstm_cell", "gru_cell"})
-FP16_OPS_BY_POLICY = {"cuda": FP16_OPS, "cpu": FP16_OPS - _NOT_FP16_ON_CPU}
+# CPU autocast leaves these out of its FP16 list (FP32 in, FP32 out): they follow their inputs
+# (`lstm_cell`/`gru_cell`: their hidden state, see `_RNN_CELLS`). `tensordot` runs its products
+# in FP16 there. Checked op by op against real CPU autocast by tests/test_autocast_tables.py.
+_NOT_FP16_ON_CPU = frozenset({"mv", "addmv", "addr", "lstm_cell", "gru_cell", "convolution"})
+FP16_OPS_BY_POLICY = {"cuda": FP16_OPS, "cpu": (FP16_OPS - _NOT_FP16_ON_CPU) | {"tensordot"}}
+# On the CPU these cells compute their gates with autocast's FP16 products and combine them with
+# the hidden state: the output is FP16 when the hidden state is.
+_RNN_CELLS = frozenset({"lstm_cell", "gru_cell"})
 
 # Losses and a few reductions: FP32 under CPU and CUDA autocast alike.
 _FP32_COMMON = frozenset(
@@ -72,10 +77,36 @@ _FP32_CUDA_ONLY = frozenset(
         "reciprocal", "acos", "asin", "cosh", "sinh", "tan", "erfinv", "softplus", "logsumexp",
         "norm", "frobenius_norm", "nuclear_norm", "renorm", "vector_norm", "matrix_norm",
         "linalg_vector_norm", "linalg_matrix_norm", "linalg_norm", "interpolate", "upsample",
+        "__rdiv__", "__rtruediv__", "normalize", "softmin", "rms_norm",
     }
 )  # fmt: skip
 
-POLICIES = {"cuda": _FP32_COMMON | _FP32_CUDA_ONLY, "cpu": _FP32_COMMON}
+# CPU autocast's FP32 list beyond the common one (torch's "CPU Ops that can autocast to float32",
+# under the names the emulation sees: torch.fft.* as fft_*, torch.linalg.* as linalg_*).
+_FP32_CPU_ONLY = frozenset(
+    {
+        "avg_pool3d", "max_pool3d", "adaptive_avg_pool3d", "adaptive_max_pool3d", "max_unpool2d",
+        "max_unpool3d", "fractional_max_pool2d", "fractional_max_pool3d", "binary_cross_entropy",
+        "grid_sample", "polar", "quantile", "nanquantile", "stft", "trace", "view_as_complex",
+        "cholesky_inverse", "cholesky_solve", "inverse", "lu_solve", "orgqr", "ormqr", "pinverse",
+        "geqrf", "qr", "svd", "triangular_solve", "fft_fft", "fft_ifft", "fft_fft2", "fft_ifft2",
+        "fft_fftn", "fft_ifftn", "fft_rfft", "fft_irfft", "fft_rfft2", "fft_irfft2", "fft_rfftn",
+        "fft_irfftn", "fft_hfft", "fft_ihfft", "linalg_cond", "linalg_matrix_rank", "linalg_solve",
+        "linalg_cholesky", "linalg_svdvals", "linalg_eigvals", "linalg_eigvalsh", "linalg_inv",
+        "linalg_householder_product", "linalg_tensorinv", "linalg_tensorsolve", "linalg_qr",
+        "linalg_cholesky_ex", "linalg_svd", "linalg_eig", "linalg_eigh", "linalg_lstsq",
+        "linalg_inv_ex",
+    }
+)  # fmt: skip
+# CUDA's FP32 list only; on the CPU they follow their inputs.
+_FP32_NOT_ON_CPU = frozenset({"cosine_similarity", "dist"})
+
+POLICIES = {
+    "cuda": _FP32_COMMON | _FP32_CUDA_ONLY,
+    "cpu": (_FP32_COMMON - _FP32_NOT_ON_CPU) | _FP32_CPU_ONLY,
+}
+# F.pad's reflect and replicate modes are FP32 ops on the CPU (reflection_pad*, replication_pad*).
+_FP32_PAD_MODES_ON_CPU = ("reflect", "replicate")
 
 # Ops whose output values are exact given FP16 inputs (views, copies, selections): no rounding.
 _EXACT_OPS = frozenset(
@@ -229,6 +260,8 @@ class FP16Emulation(TorchFunctionMode):
             args = _map_tensors(_cast_input, args)
             kwargs = {k: _map_tensors(_cast_input, v) for k, v in kwargs.items()}
             return _map_tensors(_to_fp16, func(*args, **kwargs))
+        if self.policy == "cpu" and name in _RNN_CELLS:
+            return self._rnn_cell_on_cpu(func, args, kwargs)
         out = func(*args, **kwargs)
         if _is_inplace(name):
             # In place, the result keeps the target's type: FP16 if it is virtually FP16, re-rounded
@@ -240,6 +273,8 @@ class FP16Emulation(TorchFunctionMode):
             return out
         if name in self.fp32_ops or kwargs.get("dtype") is not None:
             return out
+        if self.policy == "cpu" and name == "pad" and _pad_mode(args, kwargs) in _FP32_PAD_MODES_ON_CPU:
+            return out
         inputs = list(_float_tensors(args)) + list(_float_tensors(kwargs.values()))
         if not any(_is_fp16(t) for t in inputs):
             return out
@@ -249,6 +284,22 @@ class FP16Emulation(TorchFunctionMode):
         if any(not _is_fp16(t) for t in dimensioned or inputs):
             return out
         return _map_tensors(_tag if name in _EXACT_OPS else _to_fp16, out)
+
+    def _rnn_cell_on_cpu(self, func, args, kwargs):
+        """`lstm_cell` / `gru_cell` under CPU autocast: FP16 products, so the output is FP16 exactly
+        when the hidden state is (FP16 gates promote with an FP32 state to FP32)."""
+        out = func(*args, **kwargs)
+        state = args[1] if len(args) > 1 else kwargs.get("hx")
+        state = list(state) if isinstance(state, (list, tuple)) else [state]
+        if state and all(_is_fp16(t) for t in state if isinstance(t, torch.Tensor)):
+            return _map_tensors(_to_fp16, out)
+        return out
+
+
+def _pad_mode(args: tuple, kwargs: dict) -> str:
+    if "mode" in kwargs:
+        return kwargs["mode"]
+    return args[2] if len(args) > 2 and isinstance(args[2], str) else "constant"
 
 
 @contextlib.contextmanager
