@@ -78,6 +78,30 @@ def test_gpu_check_is_ready():
         assert load("gpu_check").main([]) == 2  # says it needs a GPU, does not pretend
 
 
+def test_gpu_check_logic_runs_on_the_cpu():
+    """The GPU check's comparisons, run against CPU autocast: they execute and produce their table
+    (on a GPU they compare against CUDA autocast). The CPU policy's own oracle test is
+    tests/test_autocast_tables.py; here mismatches between CPU autocast and the CUDA policy are
+    expected (softmax, pow, ... are FP32 only on CUDA) and show that the comparison can fail."""
+    gpu = load("gpu_check")
+    ops = gpu.check_ops(device="cpu")
+    assert ops["checked"] > 300 and not ops["ok"]
+    assert any(m.startswith("softmax/fp16") for m in ops["mismatches"])
+    arch = gpu.check_architectures(tiny=True, device="cpu")
+    assert [r["arch"] for r in arch["rows"]] == ["gpt2"] * 6 + ["llama"] * 6 + ["t5"] * 6
+    assert set(arch["large_activations"]) == {"gpt2", "llama", "t5"}
+    text = gpu.table({"ops": ops, "architectures": arch})
+    assert text.count("| llama |") == 6 and "mismatches" in text
+
+
+def test_emulation_fidelity_smoke(tmp_path):
+    result = load("emulation_fidelity").main(
+        ["--archs", "gpt2", "--batch", "1", "--seq", "8", "--output", str(tmp_path / "f.json")]
+    )
+    assert len(result["gpt2"]["cpu"]) == 6 and "large_activations" in result["gpt2"]
+    assert json.loads((tmp_path / "f.json").read_text())["archs"]["gpt2"]["cpu"][0]["divisor"] == 1
+
+
 def test_underflow_map_smoke(tmp_path):
     """The README's underflow map script, at two small points per objective on a tiny BERT, with the
     Python docs as text when no data folder is given (cls gets alternating labels)."""

