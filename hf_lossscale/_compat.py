@@ -32,3 +32,41 @@ INTERNALS = [
 
 def major_minor(version: str) -> str:
     return ".".join(version.split("+")[0].split(".")[:2])
+
+
+_warned = False
+
+
+def untested_versions() -> dict[str, str]:
+    """Installed packages whose major.minor differs from the tested one: name -> installed version."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name, tested in TESTED_VERSIONS.items():
+        try:
+            installed = version(name)
+        except PackageNotFoundError:
+            continue
+        if major_minor(installed) != tested:
+            out[name] = installed
+    return out
+
+
+def warn_if_untested() -> None:
+    """Name, once per process, the installed torch / accelerate / transformers versions the
+    integration was not tested against (it may still work; the internals it relies on are listed
+    in `INTERNALS`)."""
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    untested = untested_versions()
+    if untested:
+        import warnings
+
+        found = ", ".join(f"{name} {v} (tested: {TESTED_VERSIONS[name]}.x)" for name, v in sorted(untested.items()))
+        warnings.warn(
+            f"hf_lossscale was tested against other versions than these installed ones: {found}. "
+            "It may work; if it misbehaves, these versions are the first suspect.",
+            stacklevel=3,
+        )

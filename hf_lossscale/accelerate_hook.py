@@ -20,6 +20,7 @@ from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer, patch_optimizer_step
 from accelerate.utils import DistributedType, convert_outputs_to_fp32
 
+from ._compat import warn_if_untested
 from .config import LossScaleConfig, resolve_config
 from .emulation import fp16_emulation
 from .scaler import DynamicLossScaler
@@ -128,6 +129,7 @@ def install_loss_scaler(
         return None
     config = resolve_config(config, overrides)
     _warn_if_grad_scaler_kwargs_ignored(accelerator, config)
+    warn_if_untested()
 
     scaler = DynamicLossScaler(config, device=accelerator.device)
     if needs_found_inf_sync(accelerator):

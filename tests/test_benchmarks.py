@@ -102,6 +102,49 @@ def test_emulation_fidelity_smoke(tmp_path):
     assert json.loads((tmp_path / "f.json").read_text())["archs"]["gpt2"]["cpu"][0]["divisor"] == 1
 
 
+def test_gpu_prepare_manifest_is_checked():
+    """The carried folder's manifest: the wheels are the tested pins, each package has its wheel,
+    and what travels fits in 64 MiB. Bug caught: a stale wheel (transformers 5.17) or a folder that
+    would be refused for its size."""
+    from hf_lossscale._compat import TESTED_VERSIONS, major_minor
+
+    prep = load("gpu_prepare")
+    pins = prep.pinned()
+    for name in ("transformers", "accelerate"):
+        assert major_minor(pins[name]) == TESTED_VERSIONS[name]
+    good = {
+        "packages": {"transformers": "5.24.0"},
+        "wheels": {"transformers": "transformers-5.24.0-py3-none-any.whl"},
+        "carried_bytes": 40 * 2**20,
+        "tree_bytes": 2 * 2**20,
+        "limit_bytes": prep.LIMIT_BYTES,
+    }
+    assert prep.check(good) == []
+    assert prep.check({**good, "wheels": {"transformers": "transformers-5.17.0-py3-none-any.whl"}})
+    assert prep.check({**good, "wheels": {}}) == ["no wheel for transformers"]
+    assert "over the 64 MiB limit" in prep.check({**good, "carried_bytes": 63 * 2**20})[0]
+    prepared = BENCH.parent / ".whl" / "manifest.json"
+    if prepared.exists():  # one prepared here: it must pass too
+        assert prep.check(json.loads(prepared.read_text())) == []
+
+
+def test_gpu_check_without_a_gpu_says_skipped(tmp_path):
+    """Every CUDA step reports "skipped: no GPU", none "passed", and the run exits 0."""
+    import os
+    import subprocess
+
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the real check runs instead")
+    env = {**os.environ, "GPU_CHECK_WHEELS": str(tmp_path / "none")}
+    proc = subprocess.run(["bash", str(BENCH / "gpu_check.sh"), str(tmp_path / "out")], capture_output=True,
+                          text=True, env=env, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert proc.stdout.count("skipped: no GPU") == 4 and "passed" not in proc.stdout
+    assert (tmp_path / "out" / "summary.txt").read_text().count("skipped: no GPU") == 4
+
+
 def test_underflow_map_smoke(tmp_path):
     """The README's underflow map script, at two small points per objective on a tiny BERT, with the
     Python docs as text when no data folder is given (cls gets alternating labels)."""

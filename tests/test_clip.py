@@ -165,14 +165,31 @@ def test_random_overflow_patterns_match_torch(kind, bad, max_norm, norm_type):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("kind", ["adamw_fused", "sgd_foreach"])
-def test_skipped_step_writes_nothing_and_backs_off(kind):
+def named_setup(kind, init_scale=2.0**10, **config):
+    """A model, its optimizer, a scaler that names its parameters, and a batch whose scaled loss
+    has been backpropagated once."""
     model = tiny_model()
     opt = make_optimizer(kind, model.parameters())
-    scaler = DynamicLossScaler(init_scale=2.0**10)
+    scaler = DynamicLossScaler(init_scale=init_scale, **config)
     scaler.set_parameter_names(model)
     x, y = batch(0)
     scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+    return model, opt, scaler, x, y
+
+
+def bare_reads(opt) -> int:
+    """Host reads of one bare optimizer step (its own step counters), gradients zero."""
+    for group in opt.param_groups:
+        for param in group["params"]:
+            param.grad = torch.zeros_like(param)
+    reads = count_reads(opt.step)
+    opt.zero_grad()
+    return reads
+
+
+@pytest.mark.parametrize("kind", ["adamw_fused", "sgd_foreach"])
+def test_skipped_step_writes_nothing_and_backs_off(kind):
+    model, opt, scaler, x, y = named_setup(kind)
     model[0].weight.grad[1, 1] = float("nan")
     grads = [p.grad.clone() for p in model.parameters()]
     params = [p.detach().clone() for p in model.parameters()]
@@ -315,12 +332,7 @@ def test_norm_types_and_modes():
 
 def _run_with_skips(kind, steps=6, skip_at=(2, 3)):
     """A clipped training loop with skipped steps in the middle, for counting host reads."""
-    model = tiny_model()
-    opt = make_optimizer(kind, model.parameters())
-    scaler = DynamicLossScaler(init_scale=2.0**10, telemetry_interval=2)
-    scaler.set_parameter_names(model)
-    x, y = batch(0)
-    scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+    model, opt, scaler, x, y = named_setup(kind, telemetry_interval=2)
     scaler.step(opt)  # the optimizer's state exists (fused SGD reads its flag until then)
     scaler.update()
     opt.zero_grad()
@@ -344,11 +356,7 @@ def test_host_reads_over_a_run_with_skipped_steps(kind):
     the found-inf flag per step that torch's sequence also has. Bug caught: overflow naming that
     reads gradients back, a norm or skip flag read on the host."""
     scaler, opt, loop = _run_with_skips(kind)
-    for group in opt.param_groups:
-        for param in group["params"]:
-            param.grad = torch.zeros_like(param)
-    bare = count_reads(opt.step)  # the optimizer's own reads of its step counters (host tensors on CUDA too)
-    opt.zero_grad()
+    bare = bare_reads(opt)  # the optimizer's own reads of its step counters (host tensors on CUDA too)
     with CountHostReads() as reads:
         loop()
     added = reads.count - bare * 4  # four clean steps
@@ -421,19 +429,10 @@ def test_unscale_path_reads_nothing_more_over_a_run_of_skips(kind):
     no host read on the fused path (the names of later skips come from non-blocking copies) and
     only the found-inf read on the other. Bug caught: naming the culprits with a `.tolist()` of the
     gradients during a run of skips (the read the fused path used to make)."""
-    model = tiny_model()
-    opt = make_optimizer(kind, model.parameters())
-    scaler = DynamicLossScaler(init_scale=2.0**10)
-    scaler.set_parameter_names(model)
-    x, y = batch(0)
-    scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
+    model, opt, scaler, x, y = named_setup(kind)
     scaler.step(opt)
     scaler.update()
-    for group in opt.param_groups:
-        for param in group["params"]:
-            param.grad = torch.zeros_like(param)
-    bare = count_reads(opt.step)
-    opt.zero_grad()
+    bare = bare_reads(opt)
 
     def loop():
         for step in range(5):

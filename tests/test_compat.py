@@ -44,3 +44,24 @@ def test_trainer_scaler_file_name():
     from transformers.trainer import SCALER_NAME
 
     assert SCALER_NAME == "scaler.pt"
+
+
+def test_untested_versions_are_named_once_at_run_time(monkeypatch):
+    """Bug caught: an untested accelerate/transformers/torch noticed only by this test file, or a
+    warning repeated at every install."""
+    import re
+    import warnings
+
+    from accelerate import Accelerator
+
+    from hf_lossscale import _compat, install_loss_scaler
+
+    monkeypatch.setitem(_compat.TESTED_VERSIONS, "accelerate", "0.1")
+    monkeypatch.setattr(_compat, "_warned", False)
+    expected = re.escape(f"accelerate {version('accelerate')} (tested: 0.1.x)")
+    with pytest.warns(UserWarning, match=expected):
+        install_loss_scaler(Accelerator(mixed_precision="fp16"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        install_loss_scaler(Accelerator(mixed_precision="fp16"))  # named once per process
+    assert _compat.untested_versions() == {"accelerate": version("accelerate")}

