@@ -64,7 +64,9 @@ def warn_if_untested() -> None:
     if untested:
         import warnings
 
-        found = ", ".join(f"{name} {v} (tested: {TESTED_VERSIONS[name]}.x)" for name, v in sorted(untested.items()))
+        found = ", ".join(
+            f"{name} {v} (tested: {TESTED_VERSIONS[name]}.x)" for name, v in sorted(untested.items())
+        )
         warnings.warn(
             f"hf_lossscale was tested against other versions than these installed ones: {found}. "
             "It may work; if it misbehaves, these versions are the first suspect.",
