@@ -172,11 +172,58 @@ def setup_run(parser: HfArgumentParser, argv: Sequence[str] | None = None) -> tu
     return parsed
 
 
-def load_raw_datasets(data: Any, model: ModelArguments, *, shuffle_split: bool = True) -> Any:
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
+
+
+def first_row(path: str, options: dict[str, Any]) -> list[str]:
+    """The first row of a csv/tsv file, split as the `csv` builder will split it."""
+    with open(path, newline="", encoding="utf-8") as f:
+        quoting = options.get("quoting", csv.QUOTE_MINIMAL)
+        return next(csv.reader(f, delimiter=options.get("delimiter", ","), quoting=quoting), [])
+
+
+def looks_like_header(row: list[str]) -> bool:
+    """A header names its columns: no empty, numeric or repeated field."""
+    names = [f.strip() for f in row]
+    return bool(names) and all(names) and len(set(names)) == len(names) and not any(map(_is_number, names))
+
+
+def _columns_of(path: str, options: dict[str, Any], data: Any, headerless: Any) -> list[str] | None:
+    """`column_names` for a headerless csv/tsv file; None when its first row is a header."""
+    given = getattr(data, "column_names", None)
+    if given:
+        return [n.strip() for n in given.split(",")]
+    row = first_row(path, options)
+    if looks_like_header(row):
+        return None
+    names = headerless(path, row) if headerless is not None else None
+    if names is None:
+        raise ValueError(
+            f"{path}: the first row {row!r} is not a header (it has empty, numeric or repeated fields), "
+            "so the file's columns are unnamed. Pass --column_names with one name per column "
+            f"({len(row)} here, comma-separated)"
+            + (", or --task_name for GLUE's own files." if hasattr(data, "task_name") else ".")
+        )
+    return names
+
+
+def load_raw_datasets(data: Any, model: ModelArguments, *, shuffle_split: bool = True,
+                      headerless: Any = None) -> Any:  # fmt: skip
     """`train` and `validation` splits from the Hub (`data.dataset_name`) or local files
-    (`data.train_file`, `data.validation_file`); without a validation split,
-    `data.validation_split_percentage` of train is held out (seed 0)."""
-    from datasets import load_dataset
+    (`data.train_file`, `data.validation_file`, and `data.validation_mismatched_file` where the
+    recipe has it); without a validation split, `data.validation_split_percentage` of train is held
+    out (seed 0).
+
+    Each local file is read on its own, so splits may have different columns (GLUE's MNLI dev files
+    have more than its train file). A csv/tsv file without a header row is read with
+    `data.column_names` (comma-separated), else with `headerless(path, first_row)`'s names; when
+    neither names them, the error names the file, its first row and the flag to pass."""
+    from datasets import DatasetDict, load_dataset
 
     if data.dataset_name is not None:
         raw = load_dataset(
@@ -186,8 +233,21 @@ def load_raw_datasets(data: Any, model: ModelArguments, *, shuffle_split: bool =
         files = {"train": data.train_file}
         if data.validation_file:
             files["validation"] = data.validation_file
+        if getattr(data, "validation_mismatched_file", None):
+            files["validation_mismatched"] = data.validation_mismatched_file
         builder, options = data_files_builder(files)
-        raw = load_dataset(builder, data_files=files, cache_dir=model.cache_dir, **options)
+        raw = DatasetDict()
+        for split, path in files.items():
+            if not Path(path).is_file():
+                raise FileNotFoundError(f"--{split}_file {path!r}: no such file.")
+            extra = dict(options)
+            if builder == "csv":
+                names = _columns_of(path, options, data, headerless)
+                if names is not None:
+                    extra["column_names"] = names
+            raw[split] = load_dataset(builder, data_files={split: path}, cache_dir=model.cache_dir, **extra)[
+                split
+            ]
     if "validation" not in raw and "validation_matched" in raw:  # GLUE MNLI
         raw["validation"] = raw["validation_matched"]
     if "validation" not in raw:

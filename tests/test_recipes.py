@@ -126,7 +126,10 @@ def test_text_columns_as_run_glue_picks_them():
     with pytest.raises(ValueError, match="missing"):
         module.text_columns(args, two_texts)
     glue = module.DataTrainingArguments(dataset_name="nyu-mll/glue", dataset_config_name="qnli")
-    assert module.text_columns(glue, pair) == ("question", "sentence")
+    qnli = Dataset.from_dict({"question": ["q"], "sentence": ["s"], "idx": [0], "label": [1]})
+    assert module.text_columns(glue, qnli) == ("question", "sentence")
+    with pytest.raises(ValueError, match=r"--task_name qnli: its text columns \['question', 'sentence'\]"):
+        module.text_columns(glue, pair)
 
 
 def events(output_dir):
