@@ -245,9 +245,8 @@ def load_raw_datasets(data: Any, model: ModelArguments, *, shuffle_split: bool =
                 names = _columns_of(path, options, data, headerless)
                 if names is not None:
                     extra["column_names"] = names
-            raw[split] = load_dataset(builder, data_files={split: path}, cache_dir=model.cache_dir, **extra)[
-                split
-            ]
+            loaded = load_dataset(builder, data_files={split: path}, cache_dir=model.cache_dir, **extra)
+            raw[split] = loaded[split]
     if "validation" not in raw and "validation_matched" in raw:  # GLUE MNLI
         raw["validation"] = raw["validation_matched"]
     if "validation" not in raw:
