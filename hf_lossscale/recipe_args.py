@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import glob
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -238,11 +239,12 @@ def load_raw_datasets(data: Any, model: ModelArguments, *, shuffle_split: bool =
         builder, options = data_files_builder(files)
         raw = DatasetDict()
         for split, path in files.items():
-            if not Path(path).is_file():
+            matches = sorted(glob.glob(path)) if glob.has_magic(path) else [path]
+            if not matches or not Path(matches[0]).is_file():
                 raise FileNotFoundError(f"--{split}_file {path!r}: no such file.")
             extra = dict(options)
             if builder == "csv":
-                names = _columns_of(path, options, data, headerless)
+                names = _columns_of(matches[0], options, data, headerless)
                 if names is not None:
                     extra["column_names"] = names
             loaded = load_dataset(builder, data_files={split: path}, cache_dir=model.cache_dir, **extra)

@@ -162,3 +162,20 @@ def test_unknown_label_value_is_an_error_naming_it():
     with pytest.raises(ValueError, match=r"Label 'maybe' in column 'label' is not one of"):
         module.label_ids(["entailment", "not_entailment"], "label", ["entailment", "maybe"])
     assert module.label_ids(["a", "b"], "label", [1, "0", "b", -1, ""]) == [1, 0, 1, -1, -1]
+
+
+def test_glob_train_file_and_missing_file(tmp_path):
+    """A glob reads every match (datasets' own pattern support stays); a missing file is named."""
+    from hf_lossscale.recipe_args import ModelArguments, load_raw_datasets
+
+    module = load_recipe("text_classification")
+    for part in ("a", "b"):
+        _tsv(tmp_path / f"train-{part}.tsv", ["sentence", "label"], [(GOOD, 1), (BAD, 0)])
+    data = module.DataTrainingArguments(
+        train_file=str(tmp_path / "train-*.tsv"), validation_split_percentage=50
+    )
+    raw = load_raw_datasets(data, ModelArguments("m"))
+    assert len(raw["train"]) + len(raw["validation"]) == 4
+    data.train_file = str(tmp_path / "nope.tsv")
+    with pytest.raises(FileNotFoundError, match="--train_file .*nope.tsv"):
+        load_raw_datasets(data, ModelArguments("m"))
