@@ -288,8 +288,15 @@ class LossScaleMixin:
         self._act_probe: ActivationGradientProbe | None = None
         self._loss_nonfinite: torch.Tensor | None = None  # any non-finite loss in this window (device)
         self._overflow_diagnoses = 0
+        #: The telemetry snapshots read at the current log step (`param_grads`, `activation_grads`),
+        #: for callbacks such as `LossScaleTensorBoardCallback`; None between log steps.
+        self.latest_telemetry: dict[str, dict[str, Any]] | None = None
         super().__init__(*args, **kwargs)
         self.add_callback(_OverflowDiagnosis(self))
+        if "tensorboard" in (self.args.report_to or []):
+            from .tensorboard import LossScaleTensorBoardCallback
+
+            self.add_callback(LossScaleTensorBoardCallback(self))
         self._check_loss_normalisation()
 
     def _check_loss_normalisation(self) -> None:
@@ -367,12 +374,18 @@ class LossScaleMixin:
             probe = self._act_probe.read() if self._act_probe is not None and self._act_probe.counts else None
             if probe is not None:
                 logs["act_grad_lost_frac"] = probe["lost_frac"]
-        super().log(logs, *args, **kwargs)
+            snapshots = {"param_grads": telemetry, "activation_grads": probe}
+            self.latest_telemetry = {k: v for k, v in snapshots.items() if v is not None} or None
+        try:
+            super().log(logs, *args, **kwargs)
+        finally:
+            self.latest_telemetry = None
         self._write_event({"event": "log", **self.state.log_history[-1]})
         if self.loss_scaler is not None:
             if telemetry is not None:
-                self._write_event({"event": "telemetry", "step": self.state.global_step, "source": "param_grads",
-                                   "scale_step": telemetry["step"], **telemetry})  # fmt: skip
+                # `step` is the log step (the snapshot's own `step`, the scaler's iteration, is `scale_step`).
+                self._write_event({**telemetry, "event": "telemetry", "step": self.state.global_step,
+                                   "source": "param_grads", "scale_step": telemetry["step"]})  # fmt: skip
             if probe is not None:
                 self._write_event({"event": "telemetry", "step": self.state.global_step, "source": "activation_grads",
                                    **probe})  # fmt: skip
