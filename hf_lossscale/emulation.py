@@ -256,6 +256,16 @@ class FP16Emulation(TorchFunctionMode):
             return func(*args, **kwargs)
         if name in _CONVERSIONS:
             return _convert(name, args, kwargs, func(*args, **kwargs))
+        if kwargs.get("out") is not None:
+            # `out=` variants are not autocast ops: they run in their tensors' real dtypes and write
+            # into `out` (casting it would write into a copy and leave `out` unwritten). Like an
+            # in-place op, a virtually FP16 `out` holds FP16 values afterwards.
+            result = func(*args, **kwargs)
+            for target in _float_tensors([kwargs["out"]]):
+                if _is_fp16(target):
+                    with torch._C.DisableTorchFunction():
+                        target.data.copy_(target.data.to(torch.float16).to(target.dtype))
+            return result
         if name in self.fp16_ops:
             args = _map_tensors(_cast_input, args)
             kwargs = {k: _map_tensors(_cast_input, v) for k, v in kwargs.items()}

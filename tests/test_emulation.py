@@ -122,6 +122,26 @@ def test_zero_dim_promotion_and_in_place_rounding():
     assert emul_inplace == real_inplace != 300.0 * 1.0001
 
 
+@pytest.mark.parametrize("policy", ["cuda", "cpu"])
+def test_out_variants_write_into_out(policy):
+    """`torch.mm(a, b, out=buf)` (TRL's chunked log-prob head does this into a `torch.empty` buffer)
+    writes into `buf`, as under real autocast, where `out=` overloads are not autocast ops and run
+    in their tensors' dtypes. Bug caught: the emulation cast `out` to an FP16 copy, so the op wrote
+    into the copy and `buf` kept uninitialised memory (NaN or garbage losses, run to run)."""
+    a, b = torch.randn(4, 8), torch.randn(8, 3)
+    with torch.autocast("cpu", dtype=torch.float16):
+        real = torch.mm(a, b, out=torch.full((4, 3), float("nan")))
+    with fp16_emulation(policy):
+        buf = torch.full((4, 3), float("nan"))
+        returned = torch.mm(a, b, out=buf)
+        assert returned is buf or returned.data_ptr() == buf.data_ptr()
+        tagged = torch.mm(a, b)  # a virtually FP16 result ...
+        torch.mm(a, b, out=tagged.mul_(0))  # ... written into keeps FP16 values
+        assert emulated_is_fp16(tagged)
+    torch.testing.assert_close(buf, real)
+    assert torch.equal(tagged, tagged.half().float()) and torch.allclose(tagged, real, rtol=1e-3, atol=1e-3)
+
+
 def test_linalg_names_follow_the_cuda_tables():
     """`torch.linalg.vector_norm` / `matrix_norm` / `norm` are FP32 under the CUDA policy (a norm of
     170000 stays finite) and `torch.linalg.multi_dot` runs in FP16 (inputs below 2^-24 flush).
