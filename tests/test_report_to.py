@@ -1,13 +1,12 @@
-"""`--report_to tensorboard`: the loss-scale scalars and the gradient exponent histograms, read back
-from the event file with TensorBoard's own reader."""
+"""`--report_to`: the loss-scale scalars and the gradient exponent histograms in TensorBoard (read
+back from the event file with TensorBoard's own reader), and the scalars in MLflow (the other
+backend that runs offline here: a local file store, read back with MLflow's client)."""
 
 import json
 from pathlib import Path
 
 import pytest
 from test_trainer import train
-
-pytest.importorskip("tensorboard")
 
 
 def read_events(output_dir):
@@ -21,6 +20,7 @@ def read_events(output_dir):
 
 
 def test_scalars_and_histograms_reach_tensorboard(tmp_path):
+    pytest.importorskip("tensorboard")
     trainer, _, _, _ = train(tmp_path, bad_steps=(4,), report_to=["tensorboard"], loss_scale_telemetry_interval=2,
                              loss_scale_activation_probe=True, max_steps=8)  # fmt: skip
     events = read_events(tmp_path / "out")
@@ -64,3 +64,22 @@ def test_histogram_of_known_values():
     assert (bins[-24.0], bins[2.0], bins[17.0], h["num"]) == (1, 2, 1, 4)
     assert (h["min"], h["max"]) == (-25.0, 17.0)
     assert log2_histogram(bucket_counts(torch.zeros(3)).tolist()) is None
+
+
+def test_scalars_reach_mlflow(tmp_path, monkeypatch):
+    """Bug caught: a loss-scale field that a backend other than TensorBoard drops, or logs at the wrong
+    step (the step-4 overflow must show at step 6, the next log)."""
+    pytest.importorskip("mlflow")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3's file store, offline
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "loss-scale")
+    train(tmp_path, bad_steps=(4,), report_to=["mlflow"], loss_scale_telemetry_interval=2, max_steps=8)
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient()
+    (run,) = client.search_runs([client.get_experiment_by_name("loss-scale").experiment_id])
+    assert {"loss_scale", "skipped_steps", "overflow_rate", "grad_zero_frac", "grad_subnormal_frac"} <= set(
+        run.data.metrics
+    )
+    skipped = {m.step: m.value for m in client.get_metric_history(run.info.run_id, "skipped_steps")}
+    assert (skipped[4], skipped[6], skipped[8]) == (0, 1, 1)

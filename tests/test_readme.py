@@ -1,0 +1,157 @@
+"""The README, read top to bottom, works as written: every ```bash and ```python block runs.
+
+A block right after a `<!-- readme-test: skip (why) -->` line is not run (it needs a GPU or the
+network); every other block is. Python blocks run in order in one namespace that holds what the
+README calls "yours": `model` (a tiny BERT classifier), `batch`, `loader`, `optimizer`,
+`train_dataset`, `prompts`. Shell commands run with bash from the repository root, in their
+short form where running them in full takes minutes (`SHORT_FORMS`, each applied by a regex), with
+`runs/` sent to a temporary folder and `../shared/data` read from `HF_LOSSSCALE_DATA`.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from benchmark_data import DATA, REQUIRED
+
+ROOT = Path(__file__).resolve().parents[1]
+SKIP = re.compile(r"<!--\s*readme-test:\s*skip\s*\((.+)\)\s*-->")
+
+#: (pattern, replacement, why): the short form of a command that runs for minutes in full.
+SHORT_FORMS = [
+    (r"^make (\S+)$", r"make -n \1", "make targets install and run whole suites: a dry run shows the target and its commands"),
+    (r"--max_steps \d+", "--max_steps 2 --max_train_samples 32 --max_eval_samples 8 --max_seq_length 32",
+     "a recipe: two optimizer steps on a few rows"),
+    (r"(benchmarks/reproduce/run\.py) table --write", r"\1 table", "print the tables instead of rewriting the README"),
+    (r"(benchmarks/reproduce/run\.py) (?!table)(\S+)", r"\1 \2 --print", "print the benchmark's command"),
+    (r"(benchmarks/underflow_map\.py)\b.*", r"\1 --help", "the full map takes 30 CPU-minutes"),
+    (r'--points "[^"]*"', '--points "1x32x1"', "one small point"),
+    (r"(hf-lossscale advise .*)$", r"\1 --steps 1 --block_size 32 --per_device_train_batch_size 1",
+     "one short FP32 step"),
+]  # fmt: skip
+
+
+def blocks():
+    """(line, language, code, skip reason or None) of each fenced bash/python block."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    out, i = [], 0
+    while i < len(lines):
+        fence = re.match(r"^```(bash|python)\s*$", lines[i])
+        if fence:
+            end = lines.index("```", i + 1)
+            before = lines[i - 1] if i else ""
+            skip = SKIP.search(before)
+            out.append((i + 1, fence.group(1), "\n".join(lines[i + 1 : end]), skip and skip.group(1)))
+            i = end
+        i += 1
+    return out
+
+
+def commands(code):
+    """Shell commands: continuation lines joined, comments and blank lines dropped."""
+    joined = re.sub(r"\s*\\\n\s*", " ", code)
+    out = []
+    for line in joined.splitlines():
+        quoted, kept = None, []
+        for k, ch in enumerate(line):
+            if quoted:
+                quoted = None if ch == quoted else quoted
+            elif ch in "'\"":
+                quoted = ch
+            elif ch == "#" and (k == 0 or line[k - 1].isspace()):
+                break
+            kept.append(ch)
+        if "".join(kept).strip():
+            out.append("".join(kept).strip())
+    return out
+
+
+def short_form(command, runs):
+    for pattern, replacement, _ in SHORT_FORMS:
+        command = re.sub(pattern, replacement, command)
+    command = re.sub(r"(^|\s)runs/", rf"\g<1>{runs}/", command)
+    return command.replace("../shared/data", str(DATA))
+
+
+BLOCKS = blocks()
+
+
+def test_readme_has_blocks_and_every_skip_says_why():
+    """Bug caught: a marker that matches nothing (a typo skips silently nothing, or everything)."""
+    assert sum(lang == "python" for _, lang, _, _ in BLOCKS) >= 4
+    assert sum(lang == "bash" for _, lang, _, _ in BLOCKS) >= 6
+    markers = (ROOT / "README.md").read_text().count("readme-test:")
+    assert markers == sum(skip is not None for *_, skip in BLOCKS) >= 3
+
+
+def test_short_forms():
+    runs = "/tmp/r"
+    assert short_form("make demo", runs) == "make -n demo"
+    assert short_form("python benchmarks/reproduce/run.py sst2", runs).endswith("run.py sst2 --print")
+    assert short_form("python benchmarks/reproduce/run.py table --write", runs).endswith("run.py table")
+    assert "--output_dir /tmp/r/x " in short_form("x --output_dir runs/x --max_steps 200", runs) + " "
+    assert commands("a \\\n  --b 'c # d' # e\n\n# f\ng") == ["a --b 'c # d'", "g"]
+
+
+@pytest.fixture(scope="module")
+def yours():
+    """What the README's Python blocks call the user's own objects."""
+    import torch
+    from datasets import Dataset
+    from tiny_models import tiny_bert_classifier, tiny_classification_dataset
+
+    model = tiny_bert_classifier()
+    rows = tiny_classification_dataset(n=16)
+    batch = {"input_ids": torch.tensor(rows["input_ids"][:8]), "labels": torch.tensor(rows["labels"][:8])}
+    loader = torch.utils.data.DataLoader(rows.with_format("torch"), batch_size=8)
+    return {
+        "model": model,
+        "batch": batch,
+        "loader": loader,
+        "optimizer": torch.optim.AdamW(model.parameters(), lr=1e-3),
+        "train_dataset": rows,
+        "prompts": Dataset.from_dict({"prompt": ["the cat"] * 4}),
+    }
+
+
+def test_python_blocks_run_in_order(yours, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    namespace = dict(yours)
+    ran = 0
+    for line, lang, code, skip in BLOCKS:
+        if lang != "python" or skip:
+            continue
+        try:
+            exec(compile(code, f"README.md:{line}", "exec"), namespace)
+        except Exception as err:
+            raise AssertionError(f"README.md line {line}: the Python block fails: {err!r}") from err
+        ran += 1
+    assert ran >= 4 and namespace["scaler"].stats()["total_steps"] > 0
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """One `runs/` for every block: a report reads the run an earlier block wrote (README order)."""
+    return tmp_path_factory.mktemp("runs")
+
+
+def _needs_data(code):
+    return "../shared/data" in code and not DATA.is_dir() and not REQUIRED
+
+
+@pytest.mark.parametrize("line,code", [(b[0], b[2]) for b in BLOCKS if b[1] == "bash" and not b[3]],
+                         ids=lambda v: f"line{v}" if isinstance(v, int) else None)  # fmt: skip
+def test_shell_block_runs(line, code, runs):
+    if _needs_data(code):
+        pytest.skip(f"reads the benchmark data, not found at {DATA} (HF_LOSSSCALE_DATA)")
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    for command in commands(code):
+        short = short_form(command, runs)
+        result = subprocess.run(["bash", "-c", short], cwd=ROOT, env=env, capture_output=True, text=True,
+                                timeout=900)  # fmt: skip
+        assert result.returncode == 0, (
+            f"README.md line {line}: `{command}` (run as `{short}`) failed:\n{(result.stdout + result.stderr)[-3000:]}"
+        )
