@@ -71,7 +71,8 @@ def test_gpu_check_is_ready():
     script = (BENCH / "gpu_check.sh").read_text()
     assert "set_sync_debug_mode" in (BENCH.parent / "tests" / "test_scaler.py").read_text()
     assert "--no-index" in script and "pytest -q -m cuda" in script
-    assert subprocess.run(["bash", "-n", str(BENCH / "gpu_check.sh")]).returncode == 0  # parses
+    for script in ("gpu_check.sh", "gpu_dryrun.sh"):
+        assert subprocess.run(["bash", "-n", str(BENCH / script)]).returncode == 0  # parses
     import torch
 
     if not torch.cuda.is_available():
@@ -141,8 +142,13 @@ def test_gpu_check_without_a_gpu_says_skipped(tmp_path):
     proc = subprocess.run(["bash", str(BENCH / "gpu_check.sh"), str(tmp_path / "out")], capture_output=True,
                           text=True, env=env, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert proc.stdout.count("skipped: no GPU") == 4 and "passed" not in proc.stdout
-    assert (tmp_path / "out" / "summary.txt").read_text().count("skipped: no GPU") == 4
+    assert proc.stdout.count("skipped: no GPU") == 5
+    import re
+
+    # The CPU step runs (imports, a recipe parses); no CUDA step (1-5) reports "passed".
+    assert re.search(r"== 0b\. CPU: .*: passed", proc.stdout)
+    assert not re.search(r"== [1-5]\. .*passed", proc.stdout), proc.stdout
+    assert (tmp_path / "out" / "summary.txt").read_text().count("skipped: no GPU") == 5
 
 
 def test_underflow_map_smoke(tmp_path):

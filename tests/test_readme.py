@@ -29,6 +29,8 @@ SHORT_FORMS = [
     (r"(benchmarks/reproduce/run\.py) (?!table)(\S+)", r"\1 \2 --print", "print the benchmark's command"),
     (r"(benchmarks/underflow_map\.py)\b.*", r"\1 --help", "the full map takes 30 CPU-minutes"),
     (r'--points "[^"]*"', '--points "1x32x1"', "one small point"),
+    (r"(benchmarks/gpu_prepare\.py)$", r"\1 --help", "it downloads wheels into .whl/"),
+    (r"^bash (benchmarks/gpu_dryrun\.sh)$", r"bash -n \1", "it builds a venv (minutes): parse it"),
     (r"(hf-lossscale advise .*)$", r"\1 --steps 1 --block_size 32 --per_device_train_batch_size 1",
      "one short FP32 step"),
 ]  # fmt: skip
