@@ -1,7 +1,9 @@
 """The README, read top to bottom, works as written: every ```bash and ```python block runs.
 
 A block right after a `<!-- readme-test: skip (why) -->` line is not run (it needs a GPU or the
-network); every other block is. Python blocks run in order in one namespace that holds what the
+network); every other block is. A block that reads the benchmark data (`../shared/data` in it, or
+`<!-- readme-test: needs data -->` above it) is skipped when the data is absent, as `@needs_data`
+tests are (and fails in CI, which requires the data). Python blocks run in order in one namespace that holds what the
 README calls "yours": `model` (a tiny BERT classifier), `batch`, `loader`, `optimizer`,
 `train_dataset`, `prompts`. Shell commands run with bash from the repository root, in their
 short form where running them in full takes minutes (`SHORT_FORMS`, each applied by a regex), with
@@ -19,6 +21,7 @@ from benchmark_data import DATA, REQUIRED
 
 ROOT = Path(__file__).resolve().parents[1]
 SKIP = re.compile(r"<!--\s*readme-test:\s*skip\s*\((.+)\)\s*-->")
+NEEDS_DATA = "<!-- readme-test: needs data -->"  # reads ../shared/data without naming it in the block
 
 #: (pattern, replacement, why): the short form of a command that runs for minutes in full.
 SHORT_FORMS = [
@@ -46,7 +49,10 @@ def blocks():
             end = lines.index("```", i + 1)
             before = lines[i - 1] if i else ""
             skip = SKIP.search(before)
-            out.append((i + 1, fence.group(1), "\n".join(lines[i + 1 : end]), skip and skip.group(1)))
+            code = "\n".join(lines[i + 1 : end])
+            if before.strip() == NEEDS_DATA:
+                code = "# reads ../shared/data\n" + code
+            out.append((i + 1, fence.group(1), code, skip and skip.group(1)))
             i = end
         i += 1
     return out
@@ -85,8 +91,12 @@ def test_readme_has_blocks_and_every_skip_says_why():
     """Bug caught: a marker that matches nothing (a typo skips silently nothing, or everything)."""
     assert sum(lang == "python" for _, lang, _, _ in BLOCKS) >= 4
     assert sum(lang == "bash" for _, lang, _, _ in BLOCKS) >= 6
-    markers = (ROOT / "README.md").read_text().count("readme-test:")
+    text = (ROOT / "README.md").read_text()
+    markers = text.count("readme-test:") - text.count(NEEDS_DATA)
     assert markers == sum(skip is not None for *_, skip in BLOCKS) >= 3
+    assert text.count(NEEDS_DATA) == sum(
+        code.startswith("# reads ../shared/data") for _, _, code, _ in BLOCKS
+    )
 
 
 def test_short_forms():
