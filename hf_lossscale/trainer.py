@@ -127,6 +127,14 @@ class LossScaleTrainingArguments(TrainingArguments):
             "pass on the first training batch) at the start and the end of training, at the scale in force."
         },
     )
+    loss_scale_fix_accumulated_loss: bool = field(
+        default=True,
+        metadata={
+            "help": "Under gradient accumulation, divide each micro-batch's loss by the accumulation steps for a "
+            "model whose forward takes **kwargs but ignores num_items_in_batch (otherwise the Trainer sums "
+            "the micro-batch means: gradients x N). False keeps the Trainer's own behaviour."
+        },
+    )
     loss_scale_event_log: bool = field(
         default=True,
         metadata={
@@ -306,10 +314,14 @@ class LossScaleMixin:
         takes `**kwargs`, trusting it to divide by `num_items_in_batch` itself. Some models take
         `**kwargs` and compute a plain mean loss (transformers 5.24's `BertForMaskedLM`): their
         gradients and logged loss then come out `gradient_accumulation_steps` times too large. For
-        such a model, tell the Trainer so: it then divides each micro-batch's loss as before 4.46."""
+        such a model (looked at as the Trainer does: unwrapped from Accelerate and PEFT), tell the
+        Trainer so: it then divides each micro-batch's loss as before 4.46. The run's log and its event
+        log (`loss_normalisation`) say so; `loss_scale_fix_accumulated_loss=False` turns it off."""
+        self._loss_normalisation_event: dict[str, Any] | None = None
         if (
             not getattr(self, "model_accepts_loss_kwargs", False)
             or self.args.gradient_accumulation_steps == 1
+            or not getattr(self.args, "loss_scale_fix_accumulated_loss", True)
         ):
             return
         if (
@@ -319,16 +331,26 @@ class LossScaleMixin:
             return  # the user decided how the loss is normalised
         if type(self).compute_loss is not Trainer.compute_loss:
             return  # a subclass computes its own loss and may use num_items_in_batch
-        model = self.accelerator.unwrap_model(self.model)
+        from transformers.trainer_utils import unwrap_peft_model
+
+        model = unwrap_peft_model(self.accelerator.unwrap_model(self.model))
         if getattr(model, "accepts_loss_kwargs", None) is not None or not loss_ignores_num_items(model):
             return
         self.model_accepts_loss_kwargs = False
+        steps = self.args.gradient_accumulation_steps
+        self._loss_normalisation_event = {
+            "event": "loss_normalisation",
+            "model": type(model).__name__,
+            "gradient_accumulation_steps": steps,
+            "action": "model_accepts_loss_kwargs = False: each micro-batch's loss is divided by "
+            "gradient_accumulation_steps",
+        }
         logger.warning(
             "%s.forward takes **kwargs but computes its loss without num_items_in_batch: the Trainer would "
             "sum the %d micro-batch losses of each step instead of averaging them (gradients and logged loss "
             "x%d). Dividing each micro-batch's loss by gradient_accumulation_steps instead "
-            "(trainer.model_accepts_loss_kwargs = False).",
-            type(model).__name__, self.args.gradient_accumulation_steps, self.args.gradient_accumulation_steps,
+            "(trainer.model_accepts_loss_kwargs = False; --loss_scale_fix_accumulated_loss false turns this off).",
+            type(model).__name__, steps, steps,
         )  # fmt: skip
 
     def create_accelerator_and_postprocess(self) -> None:
@@ -448,6 +470,8 @@ class LossScaleMixin:
                 **self._run_info(),
             }
         )
+        if self._loss_normalisation_event is not None:
+            self._write_event({**self._loss_normalisation_event, "step": self.state.global_step})
         try:
             output = super().train(resume_from_checkpoint, *args, **kwargs)
         except BaseException as err:

@@ -349,6 +349,72 @@ def test_accumulated_loss_is_averaged_for_models_that_ignore_num_items(tmp_path)
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_accumulated_loss_fix_looks_through_peft_and_can_be_turned_off(tmp_path):
+    """The fix decides on the model under the PEFT wrapper, as the Trainer does. Bugs caught: reading
+    the wrapper's `forward` (PeftModel's source names neither `num_items_in_batch` nor
+    `loss_function`, so a model that does normalise by it, BertLMHeadModel, would be "fixed" and its
+    gradients divided twice); the flag ignored; the fix acting without a word in the event log."""
+    peft = pytest.importorskip("peft")
+    from transformers import BertConfig, BertForMaskedLM, BertLMHeadModel
+
+    from hf_lossscale.events import read_run_events
+
+    config = dict(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
+                  hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip
+
+    def lora(model):
+        torch.manual_seed(0)
+        return peft.get_peft_model(
+            model, peft.LoraConfig(r=4, target_modules=["query", "value"], init_lora_weights=False)
+        )
+
+    def trainer(model, fix=True, **kw):
+        args = LossScaleTrainingArguments(output_dir=str(tmp_path / "out"), gradient_accumulation_steps=4, report_to=[],
+                                          use_cpu=True, loss_scale_fix_accumulated_loss=fix, **kw)  # fmt: skip
+        return LossScaleTrainer(model=model, args=args)
+
+    torch.manual_seed(0)
+    mlm = BertForMaskedLM(BertConfig(**config))
+    clm = BertLMHeadModel(BertConfig(**config, is_decoder=True))
+    assert trainer(lora(clm)).model_accepts_loss_kwargs is True  # it uses num_items_in_batch: left alone
+    assert trainer(lora(mlm)).model_accepts_loss_kwargs is False  # the fix, seen through the wrapper
+    assert trainer(lora(mlm), fix=False).model_accepts_loss_kwargs is True  # the Trainer's own behaviour
+
+    # One accumulated step's LoRA gradient: the whole batch's with the fix, 4x it (the sum) without.
+    ids = torch.randint(5, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    grads = {}
+    for fix in (True, False):
+        t = trainer(lora(BertForMaskedLM(BertConfig(**config))), fix=fix)
+        t.current_gradient_accumulation_steps = 4
+        t.model.zero_grad()
+        for i in range(4):
+            t.training_step(
+                t.model, {k: v[i : i + 1] for k, v in batch.items()}, num_items_in_batch=torch.tensor(32)
+            )
+        grads[fix] = {n: p.grad.clone() for n, p in t.model.named_parameters() if p.grad is not None}
+    reference = lora(BertForMaskedLM(BertConfig(**config)))
+    reference(**batch).loss.backward()
+    whole = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    assert set(whole) == set(grads[True]) and all("lora" in n for n in whole)
+    for name, g in whole.items():
+        torch.testing.assert_close(grads[True][name], g, rtol=1e-4, atol=1e-6, msg=name)
+        torch.testing.assert_close(grads[False][name], 4 * g, rtol=1e-4, atol=1e-6, msg=name)
+
+    # A run says so in its event log.
+    from datasets import Dataset
+
+    t = trainer(lora(BertForMaskedLM(BertConfig(**config))), max_steps=1, per_device_train_batch_size=1)
+    t.train_dataset = Dataset.from_dict({k: v.tolist() for k, v in batch.items()})
+    t.train()
+    (event,) = [
+        e
+        for e in read_run_events(tmp_path / "out" / "loss_scale_log.jsonl")
+        if e["event"] == "loss_normalisation"
+    ]
+    assert event["model"] == "BertForMaskedLM" and event["gradient_accumulation_steps"] == 4
+
+
 @pytest.mark.parametrize("optim", ["adamw_torch", "adamw_torch_fused"])
 def test_logged_grad_norm_is_torchs_unscaled_norm(tmp_path, monkeypatch, optim):
     """The Trainer clips through `DynamicLossScaler.clip_grad_norm_` (routed by the Accelerate hook);
