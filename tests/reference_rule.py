@@ -32,9 +32,16 @@ class ReferenceScaler:
             return
         if overflow:
             self.growth_tracker = 0
-            # The spec says "-= 1"; we keep the tracker at >= 0, which backs off at the same steps.
-            self.hysteresis_tracker = max(self.hysteresis_tracker - 1, 0)
-            if self.hysteresis_tracker <= 0:
+            # The spec (LossScaleConfig: "overflowing steps tolerated before a backoff"): the
+            # hysteresis tracker is a budget of overflows still tolerated. An overflow spends one
+            # while any is left; with none left after it, the scale backs off, and keeps backing
+            # off on every further overflow until a growth (or, with consecutive_hysteresis, a
+            # clean step) refills the budget. A budget cannot be negative: it stays at 0 (unlike
+            # Megatron/DeepSpeed's tracker, which counts on below 0; both back off at the same
+            # steps, but the value is checkpointed, so the spec names which one it is).
+            if self.hysteresis_tracker > 0:
+                self.hysteresis_tracker -= 1
+            if self.hysteresis_tracker == 0:
                 self.scale = max(_f32(self.scale * c.backoff_factor), c.min_scale)
         else:
             self.growth_tracker += 1

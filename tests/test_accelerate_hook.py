@@ -133,14 +133,34 @@ def test_environment_configures_the_scaler(tmp_path, monkeypatch):
 
 
 def test_no_global_patching():
+    """`install_loss_scaler` and a training step change one Accelerator and its optimizers, never a
+    class or a module. Bug caught: routing `clip_grad_norm_` or the optimizer step by patching
+    `Accelerator` / `AcceleratedOptimizer` / torch's classes, which would hand every other
+    Accelerator in the process to our scaler."""
+    import accelerate.accelerator
+    import accelerate.optimizer
+    import torch.amp
+
+    watched = [Accelerator, AcceleratedOptimizer, torch.amp.GradScaler, torch.optim.SGD, torch.optim.Optimizer,
+               accelerate.accelerator, accelerate.optimizer, torch.amp]  # fmt: skip
+    # torch wraps an optimizer class's `step` (for its hooks) when the class is first instantiated:
+    # that happens before the snapshot, so what remains is ours.
+    torch.optim.SGD(tiny_mlp().parameters(), lr=0.1)
+    before = [dict(vars(obj)) for obj in watched]
     acc = Accelerator(mixed_precision="fp16")
     install_loss_scaler(acc)
-    assert Accelerator.prepare_model is not acc.prepare_model
-    assert "prepare_model" not in Accelerator.__dict__ or Accelerator.__dict__[
-        "prepare_model"
-    ].__module__.startswith("accelerate")
-    other = AcceleratedOptimizer(torch.optim.SGD(tiny_mlp().parameters(), lr=0.1))
-    assert type(other) is AcceleratedOptimizer
+    model, opt = acc.prepare(tiny_mlp(), torch.optim.SGD(tiny_mlp().parameters(), lr=0.1))
+    acc.backward(model(torch.randn(4, 4)).sum())
+    acc.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    after = [dict(vars(obj)) for obj in watched]
+    for obj, old, new in zip(watched, before, after, strict=True):
+        changed = sorted(k for k in old.keys() | new.keys() if old.get(k) is not new.get(k))
+        assert not changed, f"{getattr(obj, '__name__', obj)}: {changed}"
+    other = Accelerator(mixed_precision="fp16")
+    assert not isinstance(other.scaler, DynamicLossScaler)
+    assert "clip_grad_norm_" not in vars(other) and "clip_grad_norm_" in vars(acc)  # the instance, only
+    assert type(AcceleratedOptimizer(torch.optim.SGD(tiny_mlp().parameters(), lr=0.1))) is AcceleratedOptimizer
 
 
 def test_grad_scaler_kwargs_are_not_silently_dropped():

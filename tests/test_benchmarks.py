@@ -37,7 +37,13 @@ def test_step_overhead_smoke(tmp_path):
     result = load("step_overhead").main(["--tiny", "--output", str(out)])
     assert json.loads(out.read_text())["setup"]["tensors"] == 20
     for kind in ("adamw_foreach", "adamw_fused", "sgd"):
-        assert result["rows"][kind]["GradScaler"]["vs_GradScaler"] == 1.0
+        rows = result["rows"][kind]
+        # Each ratio is its row's median over GradScaler's (a wrong baseline fails), and telemetry's
+        # amortised snapshot adds to the scaler's time, never less.
+        for r in rows.values():
+            assert r["median_s"] > 0
+            assert r["vs_GradScaler"] == pytest.approx(r["median_s"] / rows["GradScaler"]["median_s"])
+        assert rows["+ telemetry"]["median_s"] > rows["DynamicLossScaler"]["median_s"]
         syncs = result["syncs"][kind]
         # the counts the benchmark reports are the ones the scaler promises
         assert syncs["DynamicLossScaler"] == syncs["+ telemetry"] == (0 if kind == "adamw_fused" else 1)
@@ -65,12 +71,12 @@ def test_step_overhead_clip_table(tmp_path):
     assert 0 < result["clip"]["floor_fused_vs_torch"] < result["clip"]["floor_foreach_vs_torch"] < 1
 
 
-def test_gpu_check_is_ready():
+def test_gpu_scripts_parse_and_gpu_check_py_needs_a_gpu():
+    """The shell scripts parse (a syntax error would cost a GPU session); `gpu_check.py` without a
+    GPU says so (exit 2) instead of reporting a comparison it did not make. What the scripts do is
+    run without a GPU by `test_gpu_check_without_a_gpu_says_skipped` and `gpu_dryrun.sh`."""
     import subprocess
 
-    script = (BENCH / "gpu_check.sh").read_text()
-    assert "set_sync_debug_mode" in (BENCH.parent / "tests" / "test_scaler.py").read_text()
-    assert "--no-index" in script and "pytest -q -m cuda" in script
     for script in ("gpu_check.sh", "gpu_dryrun.sh"):
         assert subprocess.run(["bash", "-n", str(BENCH / script)]).returncode == 0  # parses
     import torch

@@ -23,13 +23,29 @@ def overflow_pattern(n, seed):
     return out
 
 
+class Training:
+    """Drives a scaler through its public protocol, as a training loop does: the gradient of one
+    parameter is finite or inf, then `step(optimizer)` (skipped on inf) and `update()`."""
+
+    def __init__(self, scaler):
+        self.scaler = scaler
+        self.param = torch.nn.Parameter(torch.zeros(1))
+        self.optimizer = torch.optim.SGD([self.param], lr=0.0)
+        self.grads = (torch.zeros(1), torch.full((1,), float("inf")))
+        scaler.scale(torch.zeros(()))  # as the first scaled loss: puts the state on the device
+
+    def __call__(self, overflow):
+        self.param.grad = self.grads[overflow].clone()
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
+
+
 def run(n, config, seed=0):
     scaler = DynamicLossScaler(config)
-    scaler._lazy_init(torch.device("cpu"))
+    step = Training(scaler)
     reference = ReferenceScaler(config)
-    flags = (torch.tensor(False), torch.tensor(True))
     for i, overflow in enumerate(overflow_pattern(n, seed)):
-        scaler._apply_rule(flags[overflow])
+        step(overflow)
         reference.update(overflow)
         if i % 997 == 0:  # spot checks along the way
             assert scaler.get_scale() == reference.scale
@@ -71,14 +87,14 @@ def test_counters_pass_2_to_the_31_without_wrapping():
     state = scaler.state_dict()
     state.update(total_steps=near, skipped_steps=near, _growth_tracker=2**31 - 8)
     scaler.load_state_dict(state)
-    scaler._lazy_init(torch.device("cpu"))
+    step = Training(scaler)
     for _ in range(10):  # the int32 growth tracker reaches 2**31 - 1 = the interval, grows, restarts
-        scaler._apply_rule(torch.tensor(False))
+        step(False)
     stats = scaler.stats()
     assert stats["total_steps"] == near + 10 and stats["growth_tracker"] == 3
     assert stats["loss_scale"] == 2.0**17
     for _ in range(10):
-        scaler._apply_rule(torch.tensor(True))
+        step(True)
     stats = scaler.stats()
     assert stats["total_steps"] == near + 20 and stats["skipped_steps"] == near + 10
     assert stats["consecutive_skips"] == 10 and stats["loss_scale"] == 2.0**7

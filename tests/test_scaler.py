@@ -2,6 +2,8 @@ import copy
 import io
 import random
 
+import re
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -382,9 +384,13 @@ def test_collapse_error_names_scale_floor_and_parameters(optimizer):
             scaler.step(opt)
             scaler.update()
             opt.zero_grad()
-    assert step == 4  # fires at the update that reaches the limit on the CPU
+    # It fires once the host knows of 5 skips in a row: at the 5th update where the counter's copy
+    # lands at once (the CPU), a few updates later where it lands later (CUDA): never before the
+    # limit, and it reports the count it read, which is at most the updates run.
     msg = str(err.value)
-    assert "5 optimizer steps in a row" in msg and "Scale now 2" in msg and "min_scale=2" in msg
+    known = int(re.search(r"(\d+) optimizer steps in a row", msg).group(1))
+    assert step >= 4 and 5 <= known <= step + 1
+    assert "Scale now 2" in msg and "min_scale=2" in msg
     assert "2.weight" in msg and "0.weight" not in msg
 
 
