@@ -28,14 +28,17 @@ import argparse
 import json
 import platform
 import statistics
+import sys
 import time
 from pathlib import Path
 
 import torch
 
 from hf_lossscale import DynamicLossScaler, LossScaleConfig
-from hf_lossscale._sync_count import count_reads
 from hf_lossscale.telemetry import GradientTelemetry
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from sync_count import count_reads  # noqa: E402  (the tests' host-read counter)
 
 OPTIMIZERS = ["adamw_foreach", "adamw_fused", "sgd"]
 ROWS = ["no scaler", "GradScaler", "DynamicLossScaler", "DynamicLossScaler min/max/hysteresis", "+ telemetry"]

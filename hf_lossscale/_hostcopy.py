@@ -4,7 +4,7 @@
 event; `ready()` asks the event without blocking and `value()` reads the copy once it has landed.
 On the CPU the copy is immediate. The scaler reads its counters and overflow flags this way, so a
 training step never waits for the GPU. Host copies carry `HOST_MIRROR_ATTR`, which the sync
-counter (`hf_lossscale._sync_count`) uses to tell them from reads of device values.
+counter (`tests/sync_count.py`) uses to tell them from reads of device values.
 """
 
 from __future__ import annotations

@@ -33,6 +33,13 @@ from itertools import chain
 
 import datasets
 import torch
+from recipe_args import (
+    ModelArguments,
+    load_raw_datasets,
+    make_parser,
+    setup_run,
+    train_and_evaluate,
+)
 from transformers import (
     AutoConfig,
     AutoModelForCausalLM,
@@ -44,13 +51,6 @@ from transformers import (
 from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
 
 from hf_lossscale import LossScaleTrainer, LossScaleTrainingArguments
-from hf_lossscale.recipe_args import (
-    ModelArguments,
-    load_raw_datasets,
-    make_parser,
-    setup_run,
-    train_and_evaluate,
-)
 
 logger = logging.getLogger(__name__)
 

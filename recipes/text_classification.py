@@ -45,6 +45,13 @@ import datasets
 import evaluate
 import numpy as np
 from datasets import ClassLabel
+from recipe_args import (
+    ModelArguments,
+    load_raw_datasets,
+    make_parser,
+    setup_run,
+    train_and_evaluate,
+)
 from transformers import (
     AutoConfig,
     AutoModelForSequenceClassification,
@@ -54,13 +61,6 @@ from transformers import (
 )
 
 from hf_lossscale import LossScaleTrainer, LossScaleTrainingArguments
-from hf_lossscale.recipe_args import (
-    ModelArguments,
-    load_raw_datasets,
-    make_parser,
-    setup_run,
-    train_and_evaluate,
-)
 
 logger = logging.getLogger(__name__)
 

@@ -160,7 +160,9 @@ def test_no_global_patching():
     other = Accelerator(mixed_precision="fp16")
     assert not isinstance(other.scaler, DynamicLossScaler)
     assert "clip_grad_norm_" not in vars(other) and "clip_grad_norm_" in vars(acc)  # the instance, only
-    assert type(AcceleratedOptimizer(torch.optim.SGD(tiny_mlp().parameters(), lr=0.1))) is AcceleratedOptimizer
+    assert (
+        type(AcceleratedOptimizer(torch.optim.SGD(tiny_mlp().parameters(), lr=0.1))) is AcceleratedOptimizer
+    )
 
 
 def test_grad_scaler_kwargs_are_not_silently_dropped():
@@ -191,7 +193,7 @@ def test_engines_that_own_their_scaler_are_refused(engine):
 
 
 def test_skip_flag_is_read_once_per_step():
-    from hf_lossscale._sync_count import count_reads
+    from sync_count import count_reads
 
     acc, scaler, model, opt, history = run("before", "adamw_fused", steps=3, bad=(2,))
     assert count_reads(lambda: [opt.step_was_skipped for _ in range(3)]) == 0  # read when run() asked
@@ -266,7 +268,7 @@ def test_step_was_skipped_reads_the_device_only_for_fused_kernels(optimizer):
     """Non-fused: `scaler.step()` already read the flag, so `step_was_skipped` costs no read.
     Fused: one read, the first time it is asked. Bug caught: the extra sync per step under
     Accelerate and the Trainer with non-fused optimizers."""
-    from hf_lossscale._sync_count import count_reads
+    from sync_count import count_reads
 
     acc, scaler, model, opt, history = run("before", optimizer, steps=2, bad=())
     for bad in (False, True, False):

@@ -13,9 +13,9 @@ import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from sync_count import CountHostReads, count_reads
 
 from hf_lossscale import DynamicLossScaler
-from hf_lossscale._sync_count import CountHostReads, count_reads
 
 OPTIMIZERS = ["adamw_fused", "adamw_foreach", "adamw_single", "sgd_fused", "sgd_foreach", "sgd_single"]
 

@@ -1,7 +1,6 @@
 """Guard: fails loudly when accelerate / transformers change under the integration."""
 
 import importlib
-import inspect
 from importlib.metadata import version
 
 import pytest

@@ -63,8 +63,9 @@ def test_compare_entry_points_help(capsys):
 
 
 def test_config_file_sets_defaults_and_flags_win(tmp_path):
+    from recipe_args import make_parser, parse_args
+
     from hf_lossscale import LossScaleTrainingArguments
-    from hf_lossscale.recipe_args import make_parser, parse_args
 
     config = tmp_path / "run.yaml"
     config.write_text(

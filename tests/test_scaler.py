@@ -1,7 +1,6 @@
 import copy
 import io
 import random
-
 import re
 
 import pytest
@@ -9,9 +8,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from reference_rule import ReferenceScaler, _f32
+from sync_count import count_reads
 
 from hf_lossscale import DynamicLossScaler, LossScaleCollapseError, LossScaleConfig
-from hf_lossscale._sync_count import count_reads
 
 
 def tiny_model(seed=0):

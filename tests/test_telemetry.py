@@ -6,10 +6,10 @@ import math
 
 import pytest
 import torch
+from sync_count import count_reads
 from tiny_models import save_tiny_bert, tiny_bert_classifier, tiny_classification_dataset
 
 from hf_lossscale import DynamicLossScaler, LossScaleTrainer, LossScaleTrainingArguments
-from hf_lossscale._sync_count import count_reads
 from hf_lossscale.events import read_run_events
 from hf_lossscale.telemetry import (
     BUCKETS,

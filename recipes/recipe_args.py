@@ -1,10 +1,10 @@
-"""Command-line parsing for the recipes and for your own scripts: `HfArgumentParser` plus
+"""Command-line parsing for the recipes (and for your own scripts: copy this file beside them): `HfArgumentParser` plus
 `--config file.yaml`, whose keys are flag names and set defaults that command-line flags override.
 
 Example:
 
 ```python
->>> from hf_lossscale.recipe_args import make_parser, parse_args
+>>> from recipe_args import make_parser, parse_args
 >>> from hf_lossscale import LossScaleTrainingArguments
 >>> parser = make_parser(LossScaleTrainingArguments)
 >>> (training_args,) = parse_args(parser, ["--config", "run.yaml", "--max_steps", "10"])  # doctest: +SKIP
@@ -23,7 +23,7 @@ from typing import Any
 
 from transformers import HfArgumentParser
 
-from .config import read_config_file
+from hf_lossscale.config import read_config_file
 
 __all__ = ["make_parser", "parse_args", "ModelArguments", "data_files_builder"]
 

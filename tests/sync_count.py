@@ -16,7 +16,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from ._hostcopy import HOST_MIRROR_ATTR
+from hf_lossscale._hostcopy import HOST_MIRROR_ATTR
 
 _READS = {
     torch.Tensor.item,
