@@ -1,5 +1,6 @@
-"""Command-line parsing for the recipes (and for your own scripts: copy this file beside them): `HfArgumentParser` plus
-`--config file.yaml`, whose keys are flag names and set defaults that command-line flags override.
+"""Command-line parsing for the recipes (and for your own scripts: copy this file beside them):
+`HfArgumentParser` plus `--config file.yaml`, whose keys are flag names and set defaults that
+command-line flags override.
 
 Example:
 
