@@ -206,6 +206,13 @@ def _untagged(t: torch.Tensor) -> torch.Tensor:
         return t.view_as(t)
 
 
+def _reround_in_place(target: Any) -> None:
+    """A virtually FP16 tensor written in place (or as `out=`) holds FP16 values again."""
+    if _is_fp16(target):
+        with torch._C.DisableTorchFunction():
+            target.data.copy_(target.data.to(torch.float16).to(target.dtype))
+
+
 def _is_inplace(name: str) -> bool:
     return (name.endswith("_") and not name.startswith("__")) or name in _INPLACE_DUNDERS
 
@@ -262,9 +269,7 @@ class FP16Emulation(TorchFunctionMode):
             # in-place op, a virtually FP16 `out` holds FP16 values afterwards.
             result = func(*args, **kwargs)
             for target in _float_tensors([kwargs["out"]]):
-                if _is_fp16(target):
-                    with torch._C.DisableTorchFunction():
-                        target.data.copy_(target.data.to(torch.float16).to(target.dtype))
+                _reround_in_place(target)
             return result
         if name in self.fp16_ops:
             args = _map_tensors(_cast_input, args)
@@ -276,10 +281,7 @@ class FP16Emulation(TorchFunctionMode):
         if _is_inplace(name):
             # In place, the result keeps the target's type: FP16 if it is virtually FP16, re-rounded
             # (values only: the backward of in-place ops is not rounded).
-            target = args[0] if args else None
-            if _is_fp16(target):
-                with torch._C.DisableTorchFunction():
-                    target.data.copy_(target.data.to(torch.float16).to(target.dtype))
+            _reround_in_place(args[0] if args else None)
             return out
         if name in self.fp32_ops or kwargs.get("dtype") is not None:
             return out
