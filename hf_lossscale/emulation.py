@@ -19,7 +19,8 @@ tensor is FP16 under autocast): that is where small gradients flush to zero.
 
 Explicit upcasts (`.float()`, `.to(torch.float32)`, as in RMSNorm and softmax upcasts) give
 real FP32 tensors; `.T`/`.mT` and device moves keep FP16; 0-d tensors promote as torch promotes
-them; in-place ops on an FP16 tensor re-round its values.
+them; in-place ops on an FP16 tensor re-round its values; `out=` calls run in their tensors'
+dtypes (they are not autocast ops) and write into `out`.
 
 Known differences from real FP16, all small against the effects we emulate: the backward of an
 in-place op is not re-rounded; `tensor.dtype` still reports float32 (code branching on it takes
