@@ -93,8 +93,6 @@ GLUE_TASKS = {
     "rte": GlueTask(("sentence1", "sentence2"), ("entailment", "not_entailment")),
     "wnli": GlueTask(("sentence1", "sentence2"), ("not_entailment", "entailment")),
 }  # fmt: skip
-#: The task name's text columns (kept for callers of the first release).
-GLUE_TASK_TO_KEYS = {name: task.keys for name, task in GLUE_TASKS.items()}
 PAIR_COLUMNS = [
     ("sentence1", "sentence2"),
     ("question", "sentence"),
