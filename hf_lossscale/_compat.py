@@ -17,8 +17,13 @@ INTERNALS = [
     ("accelerate.accelerator", "Accelerator.unscale_gradients"),
     ("accelerate.accelerator", "Accelerator.clip_grad_norm_"),
     ("transformers.trainer", "SCALER_NAME"),
+    ("transformers.trainer", "TRAINER_STATE_NAME"),
+    # the Trainer writes accelerator.scaler's state_dict() through it (we rely on it, not override it)
     ("transformers.trainer", "Trainer._save_scaler"),
+    # the one private Trainer method LossScaleMixin overrides: loading (and checking) the scaler state
     ("transformers.trainer", "Trainer._load_scaler"),
+    # loss normalisation looks at the model as the Trainer does
+    ("transformers.trainer_utils", "unwrap_peft_model"),
     # Accelerate's clip path, which install_loss_scaler routes through DynamicLossScaler.clip_grad_norm_
     ("accelerate.accelerator", "Accelerator._clip_grad_norm_dtensor_aware"),
     ("accelerate.accelerator", "Accelerator.is_fsdp2"),
@@ -29,6 +34,21 @@ INTERNALS = [
     ("torch", "_foreach_norm"),
     ("torch", "_foreach_mul_"),
     ("torch", "_amp_foreach_non_finite_check_and_unscale_"),
+    # the FP16 emulation rounds outside its own TorchFunctionMode
+    ("torch._C", "DisableTorchFunction"),
+]
+
+# Private attributes of accelerate's *instances* that install_loss_scaler reads or writes:
+# (module, class, attribute); tests/test_compat.py builds the instances and checks each.
+INSTANCE_INTERNALS = [
+    # the prepared optimizers and models, which install_loss_scaler attaches the scaler to
+    ("accelerate.accelerator", "Accelerator", "_optimizers"),
+    ("accelerate.accelerator", "Accelerator", "_models"),
+    # the step machinery AcceleratedOptimizer builds only when it has a scaler; we build it for
+    # optimizers prepared before the scaler existed
+    ("accelerate.optimizer", "AcceleratedOptimizer", "_accelerate_step_called"),
+    ("accelerate.optimizer", "AcceleratedOptimizer", "_optimizer_original_step_method"),
+    ("accelerate.optimizer", "AcceleratedOptimizer", "_optimizer_patched_step_method"),
 ]
 
 

@@ -1,4 +1,4 @@
-"""The per-run JSONL event log that `LossScaleMixin` writes (`loss_scale_log.jsonl` in `output_dir`).
+"""The per-run JSONL event log that `LossScaleEventLogCallback` writes (`loss_scale_log.jsonl` in `output_dir`).
 
 One JSON object per line, with an `event` key: `run_start` (versions, precision, loss-scale config),
 `log` (every Trainer log: loss, eval metrics, `loss_scale`, `skipped_steps`, ...), `flushed_probe`

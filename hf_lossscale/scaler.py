@@ -9,7 +9,6 @@ back to the host. `step()` costs no host synchronisation with optimizers that ta
 from __future__ import annotations
 
 import math
-import warnings
 from collections import abc, defaultdict
 from collections.abc import Iterable
 from enum import Enum
@@ -18,23 +17,20 @@ from typing import Any
 import torch
 
 from ._gradnorm import total_norm
-from ._hostcopy import HostCopy
 from .config import LossScaleConfig
+from .scaler_observers import (
+    LossScaleCollapseError,
+    ParameterNames,
+    ScalerObserver,
+    SkipWatch,
+    default_observers,
+)
+from .scaler_state import STATE_FORMAT, STATE_FORMAT_VERSION, ScalerState
 from .telemetry import GradientTelemetry
 
-__all__ = ["DynamicLossScaler", "LossScaleCollapseError", "OptState"]
+__all__ = ["DynamicLossScaler", "LossScaleCollapseError", "OptState", "STATE_FORMAT", "STATE_FORMAT_VERSION"]
 
-STATE_FORMAT = "hf_lossscale.DynamicLossScaler"
-STATE_FORMAT_VERSION = 1
-# Keys of our state dict beyond the ones torch.amp.GradScaler writes.
-_COUNTER_KEYS = ("_hysteresis_tracker", "total_steps", "skipped_steps", "consecutive_skips")
-_TORCH_KEYS = ("scale", "growth_factor", "backoff_factor", "growth_interval", "_growth_tracker")
-_MAX_NAMES = 8  # parameter names kept for an overflow report
-_MAX_PENDING_NAMES = 4  # overflow-flag copies in flight to the host
-
-
-class LossScaleCollapseError(RuntimeError):
-    """Raised after `max_consecutive_skips` skipped steps in a row: the scale cannot recover."""
+_MAX_NAMES = 8  # parameter names shown in the FP16-parameter error
 
 
 class OptState(Enum):
@@ -110,28 +106,18 @@ class DynamicLossScaler:
             config = config.replace(mode="off")
         self.config = config
         self._device = _check_device(device) if device is not None else None
-        # Host-side initial state, materialised on the device by `_lazy_init`.
-        self._init_state: dict[str, Any] = self._initial_state()
-        self._scale: torch.Tensor | None = None
-        self._growth_tracker: torch.Tensor | None = None
-        self._hysteresis_tracker: torch.Tensor | None = None
-        self._total_steps: torch.Tensor | None = None
-        self._skipped_steps: torch.Tensor | None = None
-        self._consecutive_skips: torch.Tensor | None = None
-        self._last_skipped: torch.Tensor | None = None
+        #: The scale, trackers and counters: host values until the first `scale()`, then device tensors.
+        self.state = ScalerState(config)
         self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_fresh_optimizer_state)
-        self._param_names: dict[int, str] = {}
-        # Lazy collapse check: a host copy of `consecutive_skips` taken at each update.
-        self._consecutive_copy: HostCopy | None = None
-        self._known_consecutive = 0  # last value read from the host copy
-        # Per-parameter non-finite flags on their way to the host: (copy, optimizer, parameters).
-        self._pending_names: list[tuple[HostCopy, torch.optim.Optimizer, list[torch.Tensor]]] = []
-        self._overflow_params: list[str] = []
         self._host_skipped: bool | None = None  # the last step's skip, where the host already knows it
-        #: Exponent histograms of the scaled gradients every `config.telemetry_interval` iterations.
-        self.telemetry = GradientTelemetry(config.telemetry_interval)
         self._iteration = 0  # host-side count of update() calls: decides telemetry without a sync
         self._found_inf_group: Any = None  # set by sync_found_inf_across() for local-shard paths
+        #: Names of parameters for overflow reports and errors (`set_parameter_names`).
+        self.parameter_names = ParameterNames()
+        #: Exponent histograms of the scaled gradients every `config.telemetry_interval` iterations.
+        self.telemetry = GradientTelemetry(config.telemetry_interval)
+        #: What the scaler tells what happened (`ScalerObserver`s); empty in `"off"` mode.
+        self.observers: list[ScalerObserver] = default_observers(self)
 
     # ------------------------------------------------------------------ config access
     @property
@@ -162,9 +148,7 @@ class DynamicLossScaler:
 
     def set_parameter_names(self, named: torch.nn.Module | Iterable[tuple[str, torch.Tensor]]) -> None:
         """Name parameters (a module or `named_parameters()` pairs) for overflow and error reports."""
-        pairs = named.named_parameters() if isinstance(named, torch.nn.Module) else named
-        for name, param in pairs:
-            self._param_names[id(param)] = name
+        self.parameter_names.add(named.named_parameters() if isinstance(named, torch.nn.Module) else named)
 
     def sync_found_inf_across(self, group: Any = None) -> None:
         """All-reduce (max) each optimizer's found-inf flag over `group` (default: the world) before
@@ -185,36 +169,21 @@ class DynamicLossScaler:
         self._found_inf_group = group if group is not None else dist.group.WORLD
 
     # ------------------------------------------------------------------ state
-    def _initial_state(self) -> dict[str, Any]:
-        c = self.config
-        return {
-            "scale": 1.0 if c.mode == "off" else c.init_scale,
-            "_growth_tracker": 0,
-            "_hysteresis_tracker": c.hysteresis,
-            "total_steps": 0,
-            "skipped_steps": 0,
-            "consecutive_skips": 0,
-            "last_step_skipped": False,
-        }
-
     @property
     def device(self) -> torch.device | None:
-        return self._scale.device if self._scale is not None else self._device
+        return self.state.device or self._device
 
-    def _lazy_init(self, device: torch.device) -> None:
-        s = self._init_state
-        dev = self._device or device
-        self._scale = torch.full((), s["scale"], dtype=torch.float32, device=dev)
-        self._growth_tracker = torch.full((), s["_growth_tracker"], dtype=torch.int32, device=dev)
-        self._hysteresis_tracker = torch.full((), s["_hysteresis_tracker"], dtype=torch.int32, device=dev)
-        self._total_steps = torch.full((), s["total_steps"], dtype=torch.int64, device=dev)
-        self._skipped_steps = torch.full((), s["skipped_steps"], dtype=torch.int64, device=dev)
-        self._consecutive_skips = torch.full((), s["consecutive_skips"], dtype=torch.int64, device=dev)
-        self._last_skipped = torch.full((), s["last_step_skipped"], dtype=torch.bool, device=dev)
-        self._known_consecutive = s["consecutive_skips"]
+    @property
+    def iteration(self) -> int:
+        """How many times `update()` has run (restored from `total_steps` on load). Host-side."""
+        return self._iteration
+
+    @property
+    def _scale(self) -> torch.Tensor | None:
+        return self.state["scale"] if self.state.materialised else None
 
     def _require_init(self, funcname: str) -> None:
-        if self._scale is None:
+        if not self.state.materialised:
             raise RuntimeError(
                 f"DynamicLossScaler.{funcname}() was called before scale(): call "
                 "scaler.scale(loss).backward() first in each iteration."
@@ -226,11 +195,11 @@ class DynamicLossScaler:
 
         No host synchronisation. In `"off"` mode the outputs come back unchanged.
         """
-        first = _first_tensor(outputs)
+        first = _first_tensor_nested(outputs)
         if first is None:
             raise ValueError("scale() takes a Tensor or an iterable of Tensors.")
-        if self._scale is None:
-            self._lazy_init(first.device)
+        if not self.state.materialised:
+            self.state.materialise(self._device or first.device)
         if not self.is_enabled():
             return outputs
         per_device: dict[torch.device, torch.Tensor] = {}
@@ -261,7 +230,7 @@ class DynamicLossScaler:
                 if param.grad is None:
                     continue
                 if param.dtype == torch.float16:
-                    fp16_params.append(self._name_of(param, optimizer))
+                    fp16_params.append(self.parameter_names.name(param, optimizer))
                     continue
                 grad = param.grad
                 if grad.is_sparse:
@@ -287,8 +256,8 @@ class DynamicLossScaler:
         """Unscale in place and fill one found-inf flag per device (no host sync)."""
         found: dict[torch.device, torch.Tensor] = {}
         inv: dict[torch.device, torch.Tensor] = {}
-        if self.telemetry.due(self._iteration):  # the scaled gradients, before unscaling
-            self.telemetry.observe(self._named_grads(optimizer), self._iteration)
+        for observer in self.observers:
+            observer.before_unscale(self, optimizer)
         with torch.no_grad():
             for device, per_dtype in self._grads_by_device_and_dtype(optimizer).items():
                 if device not in found:
@@ -364,19 +333,16 @@ class DynamicLossScaler:
                 grad_scale = state.pop("grad_scale")
             else:  # already unscaled: the kernel must not divide again
                 grad_scale = getattr(optimizer, "grad_scale", None)
-            if self._known_consecutive > 0 and not state.get("named"):
-                # In a run of skipped steps (the host knows from its last copy): name the culprits.
-                self._queue_overflow_names(optimizer)
             found_inf = self._found_inf(optimizer)
             if _fused_sgd_first_step(optimizer) and found_inf.item():
                 # torch's fused SGD skips a first step with its momentum buffers left uninitialised
                 # (empty_like), and the next step uses them: skip here instead. One host read per
                 # step, only until the buffers exist.
-                if not state.get("named"):
-                    self._queue_overflow_names(optimizer)
+                self._before_step(optimizer, True)
                 state["host_skipped"] = True
                 state["stage"] = OptState.STEPPED
                 return None
+            self._before_step(optimizer, None)  # the kernel decides on the device
             optimizer.grad_scale = grad_scale
             optimizer.found_inf = found_inf
             try:
@@ -391,10 +357,9 @@ class DynamicLossScaler:
             self.unscale_(optimizer)
         retval = None
         skipped = bool(self._found_inf(optimizer).item())  # the one host sync of the non-fused path
+        self._before_step(optimizer, skipped)
         if not skipped:
             retval = optimizer.step(*args, **kwargs)
-        elif not state.get("named"):
-            self._queue_overflow_names(optimizer)  # the host knows: name the culprits, read back later
         state["host_skipped"] = skipped
         state["stage"] = OptState.STEPPED
         return retval
@@ -463,8 +428,8 @@ class DynamicLossScaler:
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
 
         grouped = self._grads_by_device_and_dtype(optimizer)  # refuses FP16 parameters
-        if self.telemetry.due(self._iteration):  # the scaled gradients, as unscale_ sees them
-            self.telemetry.observe(self._named_grads(optimizer), self._iteration)
+        for observer in self.observers:  # the scaled gradients, as unscale_ shows them
+            observer.before_unscale(self, optimizer)
         with torch.no_grad():
             scaled_norm, per_tensor = total_norm([p.grad for p in with_grad], norm_type, foreach)
             device = scaled_norm.device if with_grad else self._scale.device
@@ -484,8 +449,8 @@ class DynamicLossScaler:
                 inv_scale = self._scale.double().reciprocal().float().to(device)
                 _mul_grads_(grouped, torch.where(found > 0, 1.0, coef * inv_scale), foreach)
         if per_tensor is not None:
-            self._queue_overflow_names(optimizer, with_grad, ~torch.isfinite(per_tensor))
-            state["named"] = True
+            for observer in self.observers:
+                observer.on_norms(self, optimizer, with_grad, ~torch.isfinite(per_tensor))
         state["found_inf_per_device"] = {device: found}
         state["stage"] = OptState.UNSCALED
         return norm
@@ -512,20 +477,21 @@ class DynamicLossScaler:
                 it fires at the update that reaches the limit; on CUDA it reads a non-blocking copy
                 of the counter, so it fires at that update or up to one update later.
         """
-        if self._scale is None:
+        if not self.state.materialised:
             if not self.is_enabled():
                 return
             self._require_init("update")
-        self.telemetry.end_iteration(self._iteration)
         self._iteration += 1
         if new_scale is not None:
             self._set_scale(new_scale)
             self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
             self._host_skipped = None
+            self._notify_update(rule_applied=False)
             return
         if not self.is_enabled():
-            self._total_steps += 1
+            self.state["total_steps"].add_(1)
             self._host_skipped = False
+            self._notify_update(rule_applied=False)
             return
         known = [state.get("host_skipped") for state in self._per_optimizer_states.values()]
         self._host_skipped = any(known) if known and None not in known else None
@@ -542,19 +508,19 @@ class DynamicLossScaler:
         found = torch.stack(flags).amax() > 0 if len(flags) > 1 else flags[0] > 0
         self._apply_rule(found)
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
-        self._poll_consecutive_skips()
+        self._notify_update(rule_applied=True)
 
     def _apply_rule(self, found: torch.Tensor) -> None:
-        """The update rule on device tensors; `found` is a 0-d bool tensor."""
-        c = self.config
+        """The update rule on the device tensors; `found` is a 0-d bool tensor."""
+        c, s = self.config, self.state
         found_i = found.to(torch.int64)
-        self._total_steps += 1
-        self._skipped_steps += found_i
-        self._consecutive_skips.mul_(found_i).add_(found_i)
-        self._last_skipped = found  # a fresh tensor each update: holders keep a snapshot
+        s["total_steps"].add_(1)
+        s["skipped_steps"].add_(found_i)
+        s["consecutive_skips"].mul_(found_i).add_(found_i)
+        s.replace("last_step_skipped", found)  # a fresh tensor each update: holders keep a snapshot
         if c.mode != "dynamic":
             return
-        scale, growth, hyst = self._scale, self._growth_tracker, self._hysteresis_tracker
+        scale, growth, hyst = s["scale"], s["_growth_tracker"], s["_hysteresis_tracker"]
         growth_after = torch.where(found, 0, growth + 1)
         grow = growth_after >= c.growth_interval
         hyst_after_overflow = (hyst - 1).clamp_(min=0)
@@ -575,53 +541,14 @@ class DynamicLossScaler:
         else:
             self._scale.fill_(float(new_scale))
 
-    def _poll_consecutive_skips(self) -> None:
-        """Read the consecutive-skip counter from a host copy, without waiting; raise on collapse.
+    # ------------------------------------------------------------------ observers
+    def _before_step(self, optimizer: torch.optim.Optimizer, skipped: bool | None) -> None:
+        for observer in self.observers:
+            observer.before_step(self, optimizer, skipped)
 
-        A copy is queued at an update and read at the first later update where it has landed (on
-        the CPU: at once). Overflow names that have reached the host are picked up first.
-        """
-        self._resolve_overflow_names()
-        if self._consecutive_copy is not None and self._consecutive_copy.ready():
-            self._known_consecutive = self._consecutive_copy.value()
-            self._consecutive_copy = None
-        if self._consecutive_copy is None:
-            copy = HostCopy(self._consecutive_skips)
-            if copy.ready():
-                self._known_consecutive = copy.value()
-            else:
-                self._consecutive_copy = copy
-        limit = self.config.max_consecutive_skips
-        if limit is not None and self._known_consecutive >= limit:
-            self._raise_collapse()
-
-    def _raise_collapse(self) -> None:
-        names = ", ".join(self.overflow_params) if self.overflow_params else "not recorded"
-        raise LossScaleCollapseError(
-            f"Loss scale collapsed: {self._known_consecutive} optimizer steps in a row were skipped "
-            f"for non-finite gradients (limit max_consecutive_skips={self.config.max_consecutive_skips}). "
-            f"Scale now {self._scale.item():g}, floor min_scale={self.config.min_scale:g}, "
-            f"mode={self.config.mode!r}. Parameters with non-finite gradients: {names}. "
-            "The loss or activations are probably non-finite already in FP32 (check the data, the "
-            "learning rate, or an FP16 overflow in the forward pass), or the scale is pinned too high "
-            "(static mode / min_scale)."
-        )
-
-    def _name_of(self, param: torch.Tensor, optimizer: torch.optim.Optimizer) -> str:
-        name = self._param_names.get(id(param))
-        if name is not None:
-            return name
-        for g, group in enumerate(optimizer.param_groups):
-            for i, p in enumerate(group["params"]):
-                if p is param:
-                    return f"param_groups[{g}].params[{i}] (shape {tuple(p.shape)})"
-        return f"<parameter shape {tuple(param.shape)}>"
-
-    def _named_grads(self, optimizer: torch.optim.Optimizer):
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if param.grad is not None and not param.grad.is_sparse:
-                    yield self._name_of(param, optimizer), _local(param.grad)  # this rank's shard
+    def _notify_update(self, rule_applied: bool) -> None:
+        for observer in self.observers:
+            observer.on_update(self, rule_applied)
 
     @property
     def overflow_params(self) -> list[str]:
@@ -632,34 +559,8 @@ class DynamicLossScaler:
         otherwise (fused optimizers decide inside their kernel). On CUDA a name shows up an
         update or two after its step.
         """
-        self._resolve_overflow_names()
-        return list(self._overflow_params)
-
-    def _queue_overflow_names(
-        self,
-        optimizer: torch.optim.Optimizer,
-        params: list[torch.Tensor] | None = None,
-        nonfinite: torch.Tensor | None = None,
-    ) -> None:
-        """Send per-parameter non-finite flags to the host (computed here unless given: one read of
-        the gradients, only on steps known to be skipped); `_resolve_overflow_names` reads them."""
-        if params is None:
-            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if not params:
-            return
-        if nonfinite is None:
-            first = params[0].grad.device
-            with torch.no_grad():
-                nonfinite = torch.stack([(~torch.isfinite(_local(p.grad)).all()).to(first) for p in params])
-        self._pending_names.append((HostCopy(nonfinite), optimizer, params))
-        del self._pending_names[:-_MAX_PENDING_NAMES]
-
-    def _resolve_overflow_names(self) -> None:
-        while self._pending_names and self._pending_names[0][0].ready():
-            copy, optimizer, params = self._pending_names.pop(0)
-            names = [self._name_of(p, optimizer) for p, bad in zip(params, copy.value(), strict=True) if bad]
-            if names:
-                self._overflow_params = names[:_MAX_NAMES]
+        watch = next((o for o in self.observers if isinstance(o, SkipWatch)), None)
+        return watch.resolve() if watch is not None else []
 
     # ------------------------------------------------------------------ reading state
     def _get_scale_async(self) -> torch.Tensor | None:
@@ -669,14 +570,12 @@ class DynamicLossScaler:
         """The current scale as a Python float (1.0 in `"off"` mode). Synchronises with the device."""
         if not self.is_enabled():
             return 1.0
-        return self._init_state["scale"] if self._scale is None else self._scale.item()
+        return self.state.host["scale"] if self._scale is None else self._scale.item()
 
     def _get_growth_tracker(self) -> int:
-        return (
-            self._init_state["_growth_tracker"]
-            if self._growth_tracker is None
-            else self._growth_tracker.item()
-        )
+        if not self.state.materialised:
+            return self.state.host["_growth_tracker"]
+        return self.state["_growth_tracker"].item()
 
     @property
     def step_skipped_tensor(self) -> torch.Tensor | None:
@@ -684,7 +583,7 @@ class DynamicLossScaler:
 
         Each `update()` makes a new tensor, so a reference kept by the caller stays that step's flag.
         """
-        return self._last_skipped
+        return self.state["last_step_skipped"] if self.state.materialised else None
 
     @property
     def last_step_skipped_if_known(self) -> bool | None:
@@ -696,38 +595,13 @@ class DynamicLossScaler:
     @property
     def last_step_skipped(self) -> bool:
         """Whether the last iteration's step was skipped. Synchronises with the device."""
-        if self._last_skipped is None:
-            return bool(self._init_state["last_step_skipped"])
-        return bool(self._last_skipped.item())
-
-    def _host_values(self) -> dict[str, Any]:
-        """All state as Python values, in one device-to-host transfer."""
-        if self._scale is None:
-            return dict(self._init_state)
-        packed = torch.stack(
-            [
-                self._scale.double(),
-                self._growth_tracker.double(),
-                self._hysteresis_tracker.double(),
-                self._total_steps.double(),
-                self._skipped_steps.double(),
-                self._consecutive_skips.double(),
-                self._last_skipped.double(),
-            ]
-        ).tolist()
-        return {
-            "scale": packed[0],
-            "_growth_tracker": int(packed[1]),
-            "_hysteresis_tracker": int(packed[2]),
-            "total_steps": int(packed[3]),
-            "skipped_steps": int(packed[4]),
-            "consecutive_skips": int(packed[5]),
-            "last_step_skipped": bool(packed[6]),
-        }
+        if not self.state.materialised:
+            return self.state.host["last_step_skipped"]
+        return bool(self.state["last_step_skipped"].item())
 
     def stats(self) -> dict[str, Any]:
         """Scale and counters as Python numbers. Synchronises with the device: call at log steps."""
-        v = self._host_values()
+        v = self.state.host_values()
         return {
             "loss_scale": v["scale"] if self.is_enabled() else 1.0,
             "total_steps": v["total_steps"],
@@ -746,22 +620,7 @@ class DynamicLossScaler:
         the hysteresis tracker, the counters and the config. Loads with `torch.load(...,
         weights_only=True)` and moves between devices. Synchronises with the device.
         """
-        v = self._host_values()
-        return {
-            "scale": float(v["scale"]),
-            "growth_factor": self.config.growth_factor,
-            "backoff_factor": self.config.backoff_factor,
-            "growth_interval": self.config.growth_interval,
-            "_growth_tracker": v["_growth_tracker"],
-            "_hysteresis_tracker": v["_hysteresis_tracker"],
-            "total_steps": v["total_steps"],
-            "skipped_steps": v["skipped_steps"],
-            "consecutive_skips": v["consecutive_skips"],
-            "last_step_skipped": v["last_step_skipped"],
-            "config": self.config.to_dict(),
-            "format": STATE_FORMAT,
-            "format_version": STATE_FORMAT_VERSION,
-        }
+        return self.state.state_dict(self.config)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Restore a state written by `state_dict()` or by `torch.amp.GradScaler.state_dict()`.
@@ -770,53 +629,11 @@ class DynamicLossScaler:
         a warning, and a restored scale outside `[min_scale, max_scale]` is clamped with a warning.
         A malformed state raises `ValueError` naming the missing or wrong keys.
         """
-        state = _validate_state_dict(state_dict)
-        saved_config = state.pop("config", None)
-        if saved_config is not None:
-            differing = sorted(k for k, v in saved_config.items() if getattr(self.config, k, v) != v)
-            if differing:
-                warnings.warn(
-                    "Loaded loss-scaler state was written with a different config; the current one "
-                    f"applies. Differing fields: {differing} (checkpoint: "
-                    f"{ {k: saved_config[k] for k in differing} }).",
-                    stacklevel=2,
-                )
-        else:
-            for key in ("growth_factor", "backoff_factor", "growth_interval"):
-                if key in state_dict and state_dict[key] != getattr(self.config, key):
-                    warnings.warn(
-                        f"GradScaler state has {key}={state_dict[key]!r}; the current config's "
-                        f"{key}={getattr(self.config, key)!r} applies.",
-                        stacklevel=2,
-                    )
-        c = self.config
-        if c.mode == "off":
-            state["scale"] = 1.0
-        elif c.mode == "static":
-            if state["scale"] != c.init_scale:
-                warnings.warn(
-                    f"Static mode keeps scale={c.init_scale:g}; the checkpoint's scale "
-                    f"{state['scale']:g} is not used.",
-                    stacklevel=2,
-                )
-            state["scale"] = c.init_scale
-        elif not (c.min_scale <= state["scale"] <= c.max_scale):
-            clamped = min(max(state["scale"], c.min_scale), c.max_scale)
-            warnings.warn(
-                f"Restored scale {state['scale']:g} is outside [min_scale, max_scale] = "
-                f"[{c.min_scale:g}, {c.max_scale:g}]; using {clamped:g}.",
-                stacklevel=2,
-            )
-            state["scale"] = clamped
-        if state["_hysteresis_tracker"] is None or state["_hysteresis_tracker"] > c.hysteresis:
-            state["_hysteresis_tracker"] = c.hysteresis
-        self._init_state = state
-        self._iteration = state["total_steps"]  # telemetry keeps its cadence across a resume
-        if self._scale is not None:
-            self._lazy_init(self._scale.device)
-        self._known_consecutive = state["consecutive_skips"]
-        self._consecutive_copy = None  # a copy in flight belongs to the state replaced here
+        self.state.load_state_dict(state_dict, self.config)
+        self._iteration = self.state.host["total_steps"]  # telemetry keeps its cadence across a resume
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
+        for observer in self.observers:
+            observer.on_state_loaded(self)
 
     def __repr__(self) -> str:
         return f"DynamicLossScaler({self.config!r}, device={self.device})"
@@ -858,11 +675,6 @@ def _mul_grads_(grouped: dict, factor: torch.Tensor, foreach: bool | None) -> No
                     g.mul_(f)
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (FSDP2), else the tensor itself."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
-
-
 def _check_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
     unknown = sorted(set(overrides) - set(LossScaleConfig.field_names()))
     if unknown:
@@ -883,72 +695,12 @@ def _check_device(device: str | torch.device) -> torch.device:
     return device
 
 
-def _first_tensor(value: Any) -> torch.Tensor | None:
+def _first_tensor_nested(value: Any) -> torch.Tensor | None:
     if isinstance(value, torch.Tensor):
         return value
     if isinstance(value, (list, tuple)):
         for v in value:
-            t = _first_tensor(v)
+            t = _first_tensor_nested(v)
             if t is not None:
                 return t
     return None
-
-
-def _validate_state_dict(state_dict: Any) -> dict[str, Any]:
-    """Check a scaler state dict (ours or torch's) and return the normalised state."""
-    if not isinstance(state_dict, dict):
-        raise ValueError(f"Loss-scaler state must be a dict, got {type(state_dict).__name__}.")
-    if not state_dict:
-        raise ValueError(
-            "Loss-scaler state dict is empty (a disabled torch GradScaler writes one). To start a "
-            "fresh scaler on purpose, do not load it."
-        )
-    ours = state_dict.get("format") == STATE_FORMAT
-    required = (
-        (*_TORCH_KEYS, *_COUNTER_KEYS, "last_step_skipped", "config")
-        if ours
-        else ("scale", "_growth_tracker")
-    )
-    missing = [k for k in required if k not in state_dict]
-    if missing:
-        kind = "hf_lossscale" if ours else "torch.amp.GradScaler"
-        raise ValueError(
-            f"Malformed {kind} scaler state: missing key(s) {missing}; has {sorted(state_dict)}."
-        )
-    wrong = []
-    scale = state_dict["scale"]
-    if isinstance(scale, torch.Tensor) and scale.numel() == 1:
-        scale = scale.item()
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not (0 < scale < float("inf")):
-        wrong.append(f"scale={scale!r} (need a finite number > 0)")
-    ints = ("_growth_tracker", *_COUNTER_KEYS) if ours else ("_growth_tracker",)
-    values = {}
-    for key in ints:
-        v = state_dict[key]
-        if isinstance(v, torch.Tensor) and v.numel() == 1:
-            v = v.item()
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            wrong.append(f"{key}={v!r} (need an integer >= 0)")
-        values[key] = v
-    if ours and not isinstance(state_dict["last_step_skipped"], bool):
-        wrong.append(f"last_step_skipped={state_dict['last_step_skipped']!r} (need a bool)")
-    config = None
-    if ours:
-        try:
-            config = LossScaleConfig.from_dict(state_dict["config"], source="scaler state 'config'").to_dict()
-        except ValueError as err:
-            wrong.append(str(err))
-    if wrong:
-        raise ValueError("Malformed loss-scaler state: " + "; ".join(wrong) + ".")
-    out = {
-        "scale": float(scale),
-        "_growth_tracker": values["_growth_tracker"],
-        "_hysteresis_tracker": values.get("_hysteresis_tracker"),  # None: a full budget
-        "total_steps": values.get("total_steps", 0),
-        "skipped_steps": values.get("skipped_steps", 0),
-        "consecutive_skips": values.get("consecutive_skips", 0),
-        "last_step_skipped": bool(state_dict.get("last_step_skipped", False)),
-    }
-    if config is not None:
-        out["config"] = config
-    return out

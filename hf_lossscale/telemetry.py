@@ -217,7 +217,7 @@ class ActivationGradientProbe:
         def hook(module, args, output):
             if not self.active or not torch.is_grad_enabled():
                 return
-            tensor = _first_tensor(output)
+            tensor = _first_output_tensor(output)
             if tensor is not None and tensor.requires_grad:
                 tensor.register_hook(lambda grad: self._record(name, grad))
 
@@ -259,7 +259,7 @@ class ActivationGradientProbe:
         self._handles = []
 
 
-def _first_tensor(output: Any) -> torch.Tensor | None:
+def _first_output_tensor(output: Any) -> torch.Tensor | None:
     if isinstance(output, torch.Tensor):
         return output
     if isinstance(output, dict):  # ModelOutput

@@ -6,22 +6,26 @@ import json
 import logging
 import os
 import re
-import time
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from accelerate.utils import DistributedType
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from transformers import Trainer, TrainingArguments
 from transformers.trainer import SCALER_NAME, TRAINER_STATE_NAME
 
-from .accelerate_hook import effective_mixed_precision, install_loss_scaler, plain_forward
+from .accelerate_hook import effective_mixed_precision, install_loss_scaler
+from .callbacks import (
+    ActivationProbeCallback,
+    FlushedFractionCallback,
+    LossScaleEventLogCallback,
+    OverflowDiagnosisCallback,
+)
 from .config import LossScaleConfig, resolve_config
-from .emulation import measure_flushed_fraction
 from .events import EVENT_LOG_NAME
-from .scaler import DynamicLossScaler, LossScaleCollapseError
-from .telemetry import ActivationGradientProbe, module_key
+from .loss_normalisation import fix_loss_normalisation
+from .scaler import DynamicLossScaler
 
 __all__ = [
     "LossScaleTrainingArguments",
@@ -247,19 +251,6 @@ def deepspeed_scale_figures(engine: Any) -> dict[str, float]:
     return out
 
 
-def loss_ignores_num_items(model: torch.nn.Module) -> bool:
-    """Whether `type(model).forward` computes a loss without `num_items_in_batch` (read from its
-    source: it names neither `num_items_in_batch` nor `self.loss_function`, which takes it). False
-    when the source cannot be read; a wrong True only restores the Trainer's per-micro-batch mean."""
-    import inspect
-
-    try:
-        source = inspect.getsource(type(model).forward)
-    except (OSError, TypeError):
-        return False
-    return "num_items_in_batch" not in source and "loss_function" not in source
-
-
 class LossScaleMixin:
     """Put a `DynamicLossScaler` in charge of any `Trainer` subclass's FP16 training.
 
@@ -269,6 +260,14 @@ class LossScaleMixin:
     / optimizer steps since the previous log). Reading them syncs once per log, not per step. The
     LR scheduler is not stepped on a skipped optimizer step (fused optimizers included): the
     Trainer reads the device-side skip flag once per optimizer step for that.
+
+    What it overrides is only what has to be an override: installing the scaler when the
+    Accelerator is created, loading the scaler's state on resume, the log fields, and `train`
+    (resume from the last *complete* checkpoint; record the exception that stops a run). What
+    watches the run is a `TrainerCallback` (`hf_lossscale.callbacks`), added according to the
+    arguments: the event log (`loss_scale_event_log`), the overflow diagnosis, the flushed-fraction
+    probe (`loss_scale_measure_flushed`), the activation probe (`loss_scale_activation_probe`) and
+    TensorBoard histograms (`report_to` with `tensorboard`).
 
     Args:
         loss_scale_config (`LossScaleConfig`, *optional*): wins over the arguments, the environment
@@ -292,66 +291,32 @@ class LossScaleMixin:
         self._loss_scale_fresh = loss_scale_fresh_on_resume
         self.loss_scaler: DynamicLossScaler | None = None
         self._last_logged_counts = (0, 0)
-        self._flush_batch: dict[str, Any] | None = None
-        self._act_probe: ActivationGradientProbe | None = None
-        self._loss_nonfinite: torch.Tensor | None = None  # any non-finite loss in this window (device)
-        self._overflow_diagnoses = 0
         #: The telemetry snapshots read at the current log step (`param_grads`, `activation_grads`),
         #: for callbacks such as `LossScaleTensorBoardCallback`; None between log steps.
         self.latest_telemetry: dict[str, dict[str, Any]] | None = None
         super().__init__(*args, **kwargs)
-        self.add_callback(_OverflowDiagnosis(self))
-        if "tensorboard" in (self.args.report_to or []):
+        self.loss_normalisation = fix_loss_normalisation(self)
+        self._add_loss_scale_callbacks()
+
+    def _add_loss_scale_callbacks(self) -> None:
+        args = self.args
+        #: The event log (`loss_scale_log.jsonl`); other callbacks write through it.
+        self.loss_scale_events = LossScaleEventLogCallback(
+            self, enabled=getattr(args, "loss_scale_event_log", True)
+        )
+        self.activation_probe: ActivationProbeCallback | None = None
+        if getattr(args, "loss_scale_measure_flushed", False):
+            # Before the event log: its end measurement comes before `run_end`.
+            self.add_callback(FlushedFractionCallback(self, self.loss_scale_events))
+        self.add_callback(self.loss_scale_events)
+        self.add_callback(OverflowDiagnosisCallback(self, self.loss_scale_events))
+        if getattr(args, "loss_scale_activation_probe", False):
+            self.activation_probe = ActivationProbeCallback(self)
+            self.add_callback(self.activation_probe)
+        if "tensorboard" in (args.report_to or []):
             from .tensorboard import LossScaleTensorBoardCallback
 
             self.add_callback(LossScaleTensorBoardCallback(self))
-        self._check_loss_normalisation()
-
-    def _check_loss_normalisation(self) -> None:
-        """Gradient accumulation must not multiply the gradients (and with them what FP16 sees).
-
-        The Trainer skips its division by `gradient_accumulation_steps` for a model whose `forward`
-        takes `**kwargs`, trusting it to divide by `num_items_in_batch` itself. Some models take
-        `**kwargs` and compute a plain mean loss (transformers 5.24's `BertForMaskedLM`): their
-        gradients and logged loss then come out `gradient_accumulation_steps` times too large. For
-        such a model (looked at as the Trainer does: unwrapped from Accelerate and PEFT), tell the
-        Trainer so: it then divides each micro-batch's loss as before 4.46. The run's log and its event
-        log (`loss_normalisation`) say so; `loss_scale_fix_accumulated_loss=False` turns it off."""
-        self._loss_normalisation_event: dict[str, Any] | None = None
-        if (
-            not getattr(self, "model_accepts_loss_kwargs", False)
-            or self.args.gradient_accumulation_steps == 1
-            or not getattr(self.args, "loss_scale_fix_accumulated_loss", True)
-        ):
-            return
-        if (
-            getattr(self, "compute_loss_func", None) is not None
-            or getattr(self, "loss_is_scaled_for_ga", None) is not None
-        ):
-            return  # the user decided how the loss is normalised
-        if type(self).compute_loss is not Trainer.compute_loss:
-            return  # a subclass computes its own loss and may use num_items_in_batch
-        from transformers.trainer_utils import unwrap_peft_model
-
-        model = unwrap_peft_model(self.accelerator.unwrap_model(self.model))
-        if getattr(model, "accepts_loss_kwargs", None) is not None or not loss_ignores_num_items(model):
-            return
-        self.model_accepts_loss_kwargs = False
-        steps = self.args.gradient_accumulation_steps
-        self._loss_normalisation_event = {
-            "event": "loss_normalisation",
-            "model": type(model).__name__,
-            "gradient_accumulation_steps": steps,
-            "action": "model_accepts_loss_kwargs = False: each micro-batch's loss is divided by "
-            "gradient_accumulation_steps",
-        }
-        logger.warning(
-            "%s.forward takes **kwargs but computes its loss without num_items_in_batch: the Trainer would "
-            "sum the %d micro-batch losses of each step instead of averaging them (gradients and logged loss "
-            "x%d). Dividing each micro-batch's loss by gradient_accumulation_steps instead "
-            "(trainer.model_accepts_loss_kwargs = False; --loss_scale_fix_accumulated_loss false turns this off).",
-            type(model).__name__, steps, steps,
-        )  # fmt: skip
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
@@ -393,187 +358,30 @@ class LossScaleMixin:
                 logs["grad_zero_frac"] = telemetry["zero_frac"]
                 logs["grad_subnormal_frac"] = telemetry["subnormal_frac"]
                 logs["headroom_bits"] = telemetry["headroom_bits"]
-            probe = self._act_probe.read() if self._act_probe is not None and self._act_probe.counts else None
+            probe = self.activation_probe.read() if self.activation_probe is not None else None
             if probe is not None:
                 logs["act_grad_lost_frac"] = probe["lost_frac"]
             snapshots = {"param_grads": telemetry, "activation_grads": probe}
             self.latest_telemetry = {k: v for k, v in snapshots.items() if v is not None} or None
         try:
-            super().log(logs, *args, **kwargs)
+            super().log(logs, *args, **kwargs)  # the callbacks' on_log sees latest_telemetry
         finally:
             self.latest_telemetry = None
-        self._write_event({"event": "log", **self.state.log_history[-1]})
-        if self.loss_scaler is not None:
-            if telemetry is not None:
-                # `step` is the log step (the snapshot's own `step`, the scaler's iteration, is `scale_step`).
-                self._write_event({**telemetry, "event": "telemetry", "step": self.state.global_step,
-                                   "source": "param_grads", "scale_step": telemetry["step"]})  # fmt: skip
-            if probe is not None:
-                self._write_event({"event": "telemetry", "step": self.state.global_step, "source": "activation_grads",
-                                   **probe})  # fmt: skip
-
-    # ------------------------------------------------------------------ event log
-    def _event_log_path(self) -> str | None:
-        if not getattr(self.args, "loss_scale_event_log", True) or self.args.output_dir is None:
-            return None
-        return os.path.join(self.args.output_dir, EVENT_LOG_NAME) if self.is_world_process_zero() else None
-
-    def _write_event(self, event: dict[str, Any]) -> None:
-        """Append one JSON line to the event log. A resumed or repeated run appends (nothing is lost);
-        readers take the events after the last `run_start` whose `resumed` is false."""
-        path = self._event_log_path()
-        if path is None:
-            return
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(event) + "\n")
-
-    def _run_info(self) -> dict[str, Any]:
-        import accelerate
-        import transformers
-
-        from . import __version__
-
-        scaler = self.loss_scaler
-        precision = effective_mixed_precision(self.accelerator)
-        return {
-            "mixed_precision": precision,
-            # "emulated", "native-cpu", "cuda"; "fp32"/"bf16" when no loss scaling applies
-            "fp16": getattr(self.accelerator, "hf_lossscale_fp16", None) if scaler else None,
-            "loss_scale_config": scaler.config.to_dict() if scaler else None,
-            "world_size": self.args.world_size,
-            "gradient_accumulation_steps": self.args.gradient_accumulation_steps,
-            "per_device_train_batch_size": self.args.per_device_train_batch_size,
-            "max_steps": self.args.max_steps,
-            "seed": self.args.seed,
-            "versions": {
-                "hf_lossscale": __version__,
-                "torch": torch.__version__,
-                "transformers": transformers.__version__,
-                "accelerate": accelerate.__version__,
-            },
-        }
 
     # ------------------------------------------------------------------ training
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
         """`Trainer.train`; `resume_from_checkpoint=True` resumes from the last *complete* checkpoint
-        (see `last_complete_checkpoint`), not merely the highest-numbered one."""
+        (see `last_complete_checkpoint`), not merely the highest-numbered one. An exception that
+        stops the run (a `LossScaleCollapseError` included) is written to the event log, then raised."""
         if resume_from_checkpoint is True:
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
                 raise ValueError(f"No complete checkpoint found in output_dir {self.args.output_dir!r}.")
-        self._write_event(
-            {
-                "event": "run_start",
-                "time": time.time(),
-                "resumed": bool(resume_from_checkpoint),
-                **self._run_info(),
-            }
-        )
-        if self._loss_normalisation_event is not None:
-            self._write_event({**self._loss_normalisation_event, "step": self.state.global_step})
         try:
-            output = super().train(resume_from_checkpoint, *args, **kwargs)
+            return super().train(resume_from_checkpoint, *args, **kwargs)
         except BaseException as err:
-            # A LossScaleCollapseError (or a crash) is an outcome to report, not to lose.
-            self._write_event(
-                {
-                    "event": "error",
-                    "step": self.state.global_step,
-                    "type": type(err).__name__,
-                    "collapse": isinstance(err, LossScaleCollapseError),
-                    "message": str(err)[:2000],
-                }
-            )
+            self.loss_scale_events.record_error(err, resumed=bool(resume_from_checkpoint))
             raise
-        if self._flush_batch is not None:
-            self._measure_flushed("end")
-        end: dict[str, Any] = {"event": "run_end", "step": self.state.global_step, "time": time.time()}
-        if self.loss_scaler is not None:
-            end.update(self.loss_scaler.stats())
-        self._write_event(end)
-        return output
-
-    def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], *args: Any, **kwargs: Any):
-        scaler = self.loss_scaler
-        if scaler is not None and getattr(self.args, "loss_scale_activation_probe", False):
-            if self._act_probe is None:
-                self._act_probe = ActivationGradientProbe(self.accelerator.unwrap_model(self.model))
-            self._act_probe.active = scaler.telemetry.due(scaler._iteration)
-        if (
-            self._flush_batch is None
-            and scaler is not None
-            and getattr(self.args, "loss_scale_measure_flushed", False)
-        ):
-            batch = self._prepare_inputs(dict(inputs))
-            self._flush_batch = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in batch.items()}
-            self._measure_flushed("start")
-        loss = super().training_step(model, inputs, *args, **kwargs)
-        if scaler is not None and scaler.is_enabled():
-            bad = ~torch.isfinite(loss.detach())  # a device flag, read only on a skipped step
-            self._loss_nonfinite = bad if self._loss_nonfinite is None else self._loss_nonfinite | bad
-        return loss
-
-    #: Skipped steps per run that get an `overflow` event (names of the non-finite gradients).
-    max_overflow_diagnoses = 5
-
-    def _diagnose_overflow(self) -> None:
-        scaler, flag = self.loss_scaler, self._loss_nonfinite
-        self._loss_nonfinite = None
-        if (
-            scaler is None
-            or not scaler.is_enabled()
-            or self._overflow_diagnoses >= self.max_overflow_diagnoses
-        ):
-            return
-        # The Trainer reads this flag right after for the LR scheduler; LossScaledOptimizer reads it once.
-        if not self.accelerator.optimizer_step_was_skipped:
-            return
-        self._overflow_diagnoses += 1
-        model = self.accelerator.unwrap_model(self.model)
-        named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
-        with torch.no_grad():
-            bad = torch.stack([~torch.isfinite(g).all() for _, g in named]).tolist() if named else []
-        params = [n for (n, _), b in zip(named, bad, strict=True) if b]
-        event = {
-            "event": "overflow",
-            "step": self.state.global_step + 1,  # the optimizer step being skipped
-            "loss_scale_after": scaler.get_scale(),
-            "loss_nonfinite": bool(flag.item()) if flag is not None else None,
-            "modules": sorted({module_key(n) for n in params}),
-            "params": params[:20],
-            "n_params": len(params),
-        }
-        self._write_event(event)
-        logger.warning(
-            "hf_lossscale: step %d skipped: non-finite gradients in %s%s",
-            event["step"],
-            ", ".join(event["modules"][:5]) or "(none found: a fused kernel may have consumed them)",
-            "; the loss itself was non-finite" if event["loss_nonfinite"] else "",
-        )
-
-    def _measure_flushed(self, when: str) -> dict[str, Any]:
-        """Run `measure_flushed_fraction` on the saved first batch at the scale in force; log it."""
-        kind = getattr(self.accelerator, "hf_lossscale_fp16", "cuda")
-        fp16, policy = {"emulated": ("emulate", "cuda"), "native-cpu": ("native", "cpu")}.get(
-            kind, ("native", "cuda")
-        )
-        scaler = self.loss_scaler
-        scale = scaler.get_scale() if scaler is not None and scaler.is_enabled() else 1.0
-        model = self.accelerator.unwrap_model(self.model, keep_fp32_wrapper=True)
-        with plain_forward(model):
-            result = measure_flushed_fraction(
-                model,
-                self._flush_batch,
-                fp16=fp16,
-                policy=policy,
-                scale=scale,
-                loss_divisor=self.args.gradient_accumulation_steps,
-                loss_fn=lambda m, b: self.compute_loss(m, b),
-            )
-        result.pop("reference")
-        self._write_event({"event": "flushed_probe", "when": when, "step": self.state.global_step, **result})
-        return result
 
     # ------------------------------------------------------------------ checkpoints
     @property
@@ -607,18 +415,6 @@ class LossScaleMixin:
             warnings.warn(f"{problem} Starting a fresh loss scaler, as requested.", stacklevel=3)
             return
         raise RuntimeError(f"{problem} {_FRESH_HINT}")
-
-
-class _OverflowDiagnosis(TrainerCallback):
-    """After each optimizer step, while the gradients still exist: on a skipped step (the first
-    `LossScaleMixin.max_overflow_diagnoses` of a run), name the parameters and modules whose
-    gradients were non-finite and whether the loss itself already was."""
-
-    def __init__(self, trainer: LossScaleMixin) -> None:
-        self.trainer = trainer
-
-    def on_optimizer_step(self, args, state, control, **kwargs):
-        self.trainer._diagnose_overflow()
 
 
 class LossScaleTrainer(LossScaleMixin, Trainer):

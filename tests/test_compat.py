@@ -6,7 +6,7 @@ from importlib.metadata import version
 import pytest
 import torch
 
-from hf_lossscale._compat import INTERNALS, TESTED_VERSIONS, major_minor
+from hf_lossscale._compat import INSTANCE_INTERNALS, INTERNALS, TESTED_VERSIONS, major_minor
 
 
 @pytest.mark.parametrize("package", sorted(TESTED_VERSIONS))
@@ -35,6 +35,24 @@ def test_internals_exist(module, path):
     for part in path.split("."):
         assert hasattr(obj, part), f"{module}.{path} is gone: the integration relies on it"
         obj = getattr(obj, part)
+
+
+@pytest.mark.parametrize(("module", "cls", "attribute"), INSTANCE_INTERNALS)
+def test_instance_internals_exist(module, cls, attribute):
+    """Built as install_loss_scaler meets them: an Accelerator, and an optimizer it wraps with a scaler."""
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    Accelerator()
+    instances = {
+        "Accelerator": Accelerator(),
+        "AcceleratedOptimizer": AcceleratedOptimizer(
+            torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1), scaler=torch.amp.GradScaler("cpu")
+        ),
+    }
+    obj = instances[cls]
+    assert type(obj).__module__ == module
+    assert hasattr(obj, attribute), f"{module}.{cls}().{attribute} is gone: install_loss_scaler relies on it"
 
 
 def test_accelerated_optimizer_step_protocol():

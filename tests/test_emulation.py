@@ -227,7 +227,7 @@ def fidelity(arch, batch, seq):
     return FIDELITY.cpu_fidelity(model, FIDELITY.text_batch(model, arch, batch, seq))
 
 
-def check_fidelity(rows, relative_error=True):
+def check_fidelity(rows, arch):
     for r in rows:
         print(
             f"/{r['divisor']:<3} scale {r['scale']:>5g}: flushed emulated {r['flushed_emulated']:.4f} native "
@@ -235,18 +235,29 @@ def check_fidelity(rows, relative_error=True):
             f"native {r['rel_err_native']:.4f}"
         )
         assert abs(r["flushed_emulated"] - r["flushed_native"]) <= 0.005
-        if relative_error:
-            assert abs(r["rel_err_emulated"] - r["rel_err_native"]) <= 0.1 * r["rel_err_native"] + 1e-6
+        close = abs(r["rel_err_emulated"] - r["rel_err_native"]) <= 0.1 * r["rel_err_native"] + 1e-6
+        if arch != "cls" or r["scale"] > 1.0:
+            assert close
+        else:
+            # See CLS_SUBNORMAL_GAP: unscaled, emulation shows less error than native, never more.
+            assert r["rel_err_emulated"] <= r["rel_err_native"] * 1.1 + 1e-6
         assert r["overflow_emulated"] == r["overflow_native"]
         assert abs(r["loss_emulated"] - r["loss_native"]) <= 1e-3 * abs(r["loss_fp32"])
     # the comparison is not vacuous: without scaling, a /64 loss flushes a visible fraction
     assert max(r["flushed_emulated"] for r in rows if r["scale"] == 1.0) > 0.01
 
 
-# Sequence classification: the flushed fractions match, but native CPU FP16 shows a larger relative
-# gradient error than emulation at /16 (0.032 vs 0.019 on 2x32 tokens), spread evenly over all
-# weight matrices; not explained yet (the CPU FP16 GEMM itself accumulates in FP32), so that
-# criterion is checked for the language-model heads only and the gap is reported.
+# CLS_SUBNORMAL_GAP. Sequence classification, without loss scaling, is the one place where the
+# emulation's relative gradient error falls short of native CPU FP16's. Measured (2x32 tokens,
+# rel. error emulated / native): /1 0.0021 / 0.0023, /16 0.0191 / 0.0322, /64 0.0812 / 0.0974 at
+# scale 1, and 0.0018 / 0.0018-0.0019 at every divisor with scale 2^8; the flushed fractions agree
+# within 0.0005 everywhere. So the gap lives where the backward's values are FP16 subnormals (one
+# label per sequence makes cls gradients the smallest of the five models) and goes once a loss scale
+# lifts them into the normal range: native CPU half kernels lose more precision on subnormal
+# magnitudes than one rounding per op (not extra flushing: the zero counts agree). Which kernel has
+# not been found; the emulation is the optimistic side of it. The test checks the 10% criterion
+# wherever values are normal (every row of the LM heads, the scaled rows of cls) and, on cls's
+# unscaled rows, that the emulation never shows *more* error than native.
 @pytest.mark.parametrize(
     ("arch", "batch", "seq"),
     [("mlm", 2, 32), ("cls", 2, 32), ("gpt2", 2, 64), ("llama", 2, 64), ("t5", 2, 64)],
@@ -255,7 +266,7 @@ def test_fidelity_against_native_cpu_fp16(arch, batch, seq):
     """Flushed fraction, relative gradient error, overflow and loss of policy="cpu" against native
     CPU FP16, per architecture (Llama: RMSNorm with its FP32 upcast, rotary embeddings, SwiGLU,
     grouped-query attention; T5: encoder-decoder with T5's RMS norm)."""
-    check_fidelity(fidelity(arch, batch, seq), relative_error=arch != "cls")
+    check_fidelity(fidelity(arch, batch, seq), arch)
 
 
 @pytest.mark.slow
@@ -264,7 +275,7 @@ def test_fidelity_against_native_cpu_fp16(arch, batch, seq):
     [("mlm", 4, 64), ("cls", 4, 64), ("gpt2", 4, 128), ("llama", 4, 128), ("t5", 4, 128)],
 )
 def test_fidelity_full_size(arch, batch, seq):
-    check_fidelity(fidelity(arch, batch, seq), relative_error=arch != "cls")
+    check_fidelity(fidelity(arch, batch, seq), arch)
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "t5"])

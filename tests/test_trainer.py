@@ -308,7 +308,7 @@ def test_accumulated_loss_is_averaged_for_models_that_ignore_num_items(tmp_path)
     makes the Trainer divide instead; a model that uses num_items_in_batch is left alone."""
     from transformers import BertConfig, BertForMaskedLM, BertLMHeadModel
 
-    from hf_lossscale.trainer import loss_ignores_num_items
+    from hf_lossscale.loss_normalisation import loss_ignores_num_items
 
     config = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                         intermediate_size=32, is_decoder=True, hidden_dropout_prob=0.0,

@@ -1,0 +1,209 @@
+"""What watches a `DynamicLossScaler` without deciding anything: the observer interface it calls at
+fixed points, and the two observers it ships with.
+
+- `SkipWatch` names the parameters whose gradients were non-finite at skipped steps
+  (`scaler.overflow_params`) and raises `LossScaleCollapseError` after `max_consecutive_skips`
+  skipped steps in a row. It reads the device values through non-blocking host copies.
+- `TelemetryWatch` feeds `GradientTelemetry` the scaled gradients every `telemetry_interval`
+  iterations.
+
+The scaler holds a list of observers; with none (as in `"off"` mode) it makes no calls. Imports only torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+from ._hostcopy import HostCopy
+
+if TYPE_CHECKING:
+    from .scaler import DynamicLossScaler
+
+__all__ = ["LossScaleCollapseError", "ParameterNames", "ScalerObserver", "SkipWatch", "TelemetryWatch"]
+
+_MAX_NAMES = 8  # parameter names kept for an overflow report
+_MAX_PENDING_NAMES = 4  # overflow-flag copies in flight to the host
+
+
+class LossScaleCollapseError(RuntimeError):
+    """Raised after `max_consecutive_skips` skipped steps in a row: the scale cannot recover."""
+
+
+class ParameterNames:
+    """Names of parameters for reports: those given by `add`, else their place in the optimizer."""
+
+    def __init__(self) -> None:
+        self._names: dict[int, str] = {}
+
+    def add(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for name, param in pairs:
+            self._names[id(param)] = name
+
+    def name(self, param: torch.Tensor, optimizer: torch.optim.Optimizer) -> str:
+        name = self._names.get(id(param))
+        if name is not None:
+            return name
+        for g, group in enumerate(optimizer.param_groups):
+            for i, p in enumerate(group["params"]):
+                if p is param:
+                    return f"param_groups[{g}].params[{i}] (shape {tuple(p.shape)})"
+        return f"<parameter shape {tuple(param.shape)}>"
+
+    def grads(self, optimizer: torch.optim.Optimizer) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, gradient) for each dense gradient of the optimizer; a DTensor's local shard."""
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is not None and not param.grad.is_sparse:
+                    yield self.name(param, optimizer), local(param.grad)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2), else the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+class ScalerObserver:
+    """The points at which a `DynamicLossScaler` tells its observers what happened. Each method
+    does nothing by default; none may synchronise with the device on every step."""
+
+    def before_unscale(self, scaler: DynamicLossScaler, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer's gradients are about to be checked (still scaled)."""
+
+    def on_norms(
+        self,
+        scaler: DynamicLossScaler,
+        optimizer: torch.optim.Optimizer,
+        params: list[torch.Tensor],
+        nonfinite: torch.Tensor,
+    ) -> None:
+        """`clip_grad_norm_` found, per parameter, whether its gradient is non-finite (device flags)."""
+
+    def before_step(
+        self, scaler: DynamicLossScaler, optimizer: torch.optim.Optimizer, skipped: bool | None
+    ) -> None:
+        """The optimizer is about to step or be skipped: `skipped` as the host knows it, or None when
+        a fused kernel decides on the device."""
+
+    def on_update(self, scaler: DynamicLossScaler, rule_applied: bool) -> None:
+        """`update()` ran; `rule_applied` is False for `update(new_scale)` and in `"off"` mode."""
+
+    def on_state_loaded(self, scaler: DynamicLossScaler) -> None:
+        """`load_state_dict()` replaced the state."""
+
+
+class TelemetryWatch(ScalerObserver):
+    """Feeds the scaler's `telemetry` (a `GradientTelemetry`) the scaled gradients on its iterations
+    and closes each iteration."""
+
+    def before_unscale(self, scaler, optimizer):
+        if scaler.telemetry.due(scaler.iteration):
+            scaler.telemetry.observe(scaler.parameter_names.grads(optimizer), scaler.iteration)
+
+    def on_update(self, scaler, rule_applied):
+        scaler.telemetry.end_iteration(scaler.iteration - 1)  # the iteration update() just closed
+
+
+class SkipWatch(ScalerObserver):
+    """Overflow names and the collapse check, from host copies that never make the step wait.
+
+    Names are taken on every step the host knows to be skipped (the non-fused path, which reads the
+    flag anyway), from `clip_grad_norm_`'s per-parameter flags, and, with fused optimizers (which
+    decide in their kernel), on the steps after the first of a run of skips. The consecutive-skip
+    counter is copied at each update and read at the first later update where the copy has landed
+    (on the CPU: at once), so on CUDA the collapse fires at the update that reaches the limit or up
+    to one update later.
+    """
+
+    def __init__(self, names: ParameterNames) -> None:
+        self.names = names
+        self.known_consecutive = 0  # the last value read from a host copy
+        self._copy: HostCopy | None = None
+        self._pending: list[tuple[HostCopy, torch.optim.Optimizer, list[torch.Tensor]]] = []
+        self._named_this_iteration: set[int] = set()
+        self.overflow_params: list[str] = []
+
+    # ---------------------------------------------------------------- naming
+    def on_norms(self, scaler, optimizer, params, nonfinite):
+        self._queue(optimizer, params, nonfinite)
+
+    def before_step(self, scaler, optimizer, skipped):
+        if skipped is True or (skipped is None and self.known_consecutive > 0):
+            self._queue(optimizer)
+
+    def _queue(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: list[torch.Tensor] | None = None,
+        nonfinite: torch.Tensor | None = None,
+    ) -> None:
+        """Send per-parameter non-finite flags to the host (computed here unless given: one read of
+        the gradients, only on steps known to be skipped), once per optimizer and iteration."""
+        if id(optimizer) in self._named_this_iteration:
+            return
+        self._named_this_iteration.add(id(optimizer))
+        if params is None:
+            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if not params:
+            return
+        if nonfinite is None:
+            first = params[0].grad.device
+            with torch.no_grad():
+                nonfinite = torch.stack([(~torch.isfinite(local(p.grad)).all()).to(first) for p in params])
+        self._pending.append((HostCopy(nonfinite), optimizer, params))
+        del self._pending[:-_MAX_PENDING_NAMES]
+
+    def resolve(self) -> list[str]:
+        """Take in the flags that have reached the host; return the latest names."""
+        while self._pending and self._pending[0][0].ready():
+            copy, optimizer, params = self._pending.pop(0)
+            bad = [self.names.name(p, optimizer) for p, b in zip(params, copy.value(), strict=True) if b]
+            if bad:
+                self.overflow_params = bad[:_MAX_NAMES]
+        return list(self.overflow_params)
+
+    # ---------------------------------------------------------------- collapse
+    def on_update(self, scaler, rule_applied):
+        self._named_this_iteration.clear()
+        if not rule_applied:
+            return
+        self.resolve()
+        if self._copy is not None and self._copy.ready():
+            self.known_consecutive = self._copy.value()
+            self._copy = None
+        if self._copy is None:
+            copy = HostCopy(scaler.state["consecutive_skips"])
+            if copy.ready():
+                self.known_consecutive = copy.value()
+            else:
+                self._copy = copy
+        limit = scaler.config.max_consecutive_skips
+        if limit is not None and self.known_consecutive >= limit:
+            self._raise_collapse(scaler)
+
+    def on_state_loaded(self, scaler):
+        self.known_consecutive = scaler.state.host["consecutive_skips"]
+        self._copy = None  # a copy in flight belongs to the state replaced
+        self._named_this_iteration.clear()
+
+    def _raise_collapse(self, scaler: DynamicLossScaler) -> None:
+        names = ", ".join(self.resolve()) or "not recorded"
+        c = scaler.config
+        raise LossScaleCollapseError(
+            f"Loss scale collapsed: {self.known_consecutive} optimizer steps in a row were skipped "
+            f"for non-finite gradients (limit max_consecutive_skips={c.max_consecutive_skips}). "
+            f"Scale now {scaler.state['scale'].item():g}, floor min_scale={c.min_scale:g}, "
+            f"mode={c.mode!r}. Parameters with non-finite gradients: {names}. "
+            "The loss or activations are probably non-finite already in FP32 (check the data, the "
+            "learning rate, or an FP16 overflow in the forward pass), or the scale is pinned too high "
+            "(static mode / min_scale)."
+        )
+
+
+def default_observers(scaler: DynamicLossScaler) -> list[ScalerObserver]:
+    """The observers a scaler starts with: `SkipWatch` and `TelemetryWatch`; none in `"off"` mode."""
+    if not scaler.is_enabled():
+        return []
+    return [SkipWatch(scaler.parameter_names), TelemetryWatch()]

@@ -1,0 +1,128 @@
+"""The run-watching `TrainerCallback`s: on a plain `Trainer`, and where the mixin's runs need them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import tiny_bert_classifier, tiny_classification_dataset
+from transformers import Trainer, TrainingArguments
+
+from hf_lossscale import LossScaleTrainer, LossScaleTrainingArguments, install_loss_scaler
+from hf_lossscale.callbacks import (
+    FlushedFractionCallback,
+    LossScaleEventLogCallback,
+    OverflowDiagnosisCallback,
+)
+from hf_lossscale.emulation import measure_flushed_fraction
+from hf_lossscale.events import read_events, read_run_events
+
+
+def plain_trainer(tmp_path, **kw):
+    args = TrainingArguments(
+        str(tmp_path / "out"), max_steps=4, logging_steps=2, per_device_train_batch_size=8, report_to=[],
+        save_strategy="no", disable_tqdm=True, learning_rate=1e-3, seed=0, **kw,
+    )  # fmt: skip
+    return Trainer(model=tiny_bert_classifier(), args=args, train_dataset=tiny_classification_dataset())
+
+
+def test_event_log_on_a_plain_trainer(tmp_path):
+    """The event log reads only the Trainer's public attributes. Catches a callback that needs the
+    mixin (an AttributeError on a plain Trainer) or loses the log events' fields."""
+    trainer = plain_trainer(tmp_path)
+    events = LossScaleEventLogCallback(trainer)
+    trainer.add_callback(events)
+    trainer.add_callback(OverflowDiagnosisCallback(trainer, events))
+    trainer.train()
+    run = read_run_events(tmp_path / "out" / "loss_scale_log.jsonl")
+    assert [e["event"] for e in run] == ["run_start", "log", "log", "log", "run_end"]
+    assert run[0]["mixed_precision"] == "no" and run[0]["loss_scale_config"] is None
+    assert [e.get("step") for e in run[1:3]] == [2, 4] and "loss" in run[1]
+    assert "loss_scale" not in run[-1]  # no DynamicLossScaler: no scaler stats
+
+
+def test_overflow_diagnosis_on_a_plain_trainer_with_our_scaler(tmp_path):
+    """A plain Trainer whose Accelerator got `install_loss_scaler` by hand: an inf gradient at one
+    step is diagnosed with its parameter, the loss flagged finite. Catches a diagnosis that fires
+    on clean steps, or misses the skip when the scaler is not the mixin's."""
+    trainer = plain_trainer(tmp_path, fp16=True)
+    install_loss_scaler(trainer.accelerator, overrides={"init_scale": 2.0**10})
+    events = LossScaleEventLogCallback(trainer)
+    trainer.add_callback(events)
+    diagnosis = OverflowDiagnosisCallback(trainer, events)
+    trainer.add_callback(diagnosis)
+    weight = trainer.model.classifier.weight
+    weight.register_hook(lambda g: g * float("inf") if trainer.state.global_step == 2 else g)
+    trainer.train()
+    run = read_run_events(tmp_path / "out" / "loss_scale_log.jsonl")
+    overflows = [e for e in run if e["event"] == "overflow"]
+    assert [e["step"] for e in overflows] == [3] and diagnosis.diagnosed == 1
+    assert overflows[0]["params"] == ["classifier.weight"] and overflows[0]["loss_nonfinite"] is False
+    assert run[-1]["skipped_steps"] == 1
+
+
+def test_error_before_training_begins_follows_a_run_start(tmp_path):
+    """A resume refused before `on_train_begin` (no scaler state in the checkpoint) is still written
+    after a `run_start` of its own, so readers attribute it to this run and not the last one.
+    Catches `record_error` writing the error without a start."""
+    kw = dict(
+        output_dir=str(tmp_path / "out"), fp16=True, max_steps=2, per_device_train_batch_size=8, report_to=[],
+        save_strategy="steps", save_steps=2, disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    LossScaleTrainer(
+        model=tiny_bert_classifier(),
+        args=LossScaleTrainingArguments(**kw),
+        train_dataset=tiny_classification_dataset(),
+    ).train()
+    (tmp_path / "out" / "checkpoint-2" / "scaler.pt").unlink()
+    kw.update(max_steps=4, save_strategy="no")
+    trainer = LossScaleTrainer(
+        model=tiny_bert_classifier(),
+        args=LossScaleTrainingArguments(**kw),
+        train_dataset=tiny_classification_dataset(),
+    )
+    with pytest.raises(RuntimeError, match="holds no loss-scaler state"):
+        trainer.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))
+    last = read_events(tmp_path / "out" / "loss_scale_log.jsonl")[-2:]
+    assert [e["event"] for e in last] == ["run_start", "error"]
+    assert last[0]["resumed"] is True and last[1]["type"] == "RuntimeError"
+
+
+def test_flushed_probe_measures_the_first_batch_at_the_initial_weights(tmp_path):
+    """The start probe equals `measure_flushed_fraction` on the batch the model received first, at
+    the weights before any step and the loss divided by the accumulation steps. Catches a probe
+    run at other weights, on another batch, or without the accumulation divisor."""
+    batches = []
+    trainer = LossScaleTrainer(
+        model=tiny_bert_classifier(),
+        args=LossScaleTrainingArguments(
+            str(tmp_path / "out"),
+            fp16=True,
+            max_steps=2,
+            gradient_accumulation_steps=2,
+            per_device_train_batch_size=8,
+            report_to=[],
+            save_strategy="no",
+            disable_tqdm=True,
+            seed=0,
+            learning_rate=1e-2,
+            loss_scale_init=1.0,
+            loss_scale_measure_flushed=True,
+        ),  # fmt: skip
+        train_dataset=tiny_classification_dataset(),
+    )
+    initial = {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+    trainer.model.register_forward_pre_hook(
+        lambda m, a, kw: batches.append({k: v.clone() for k, v in kw.items()}) if m.training else None,
+        with_kwargs=True,
+    )
+    trainer.train()
+    probe = next(c for c in trainer.callback_handler.callbacks if isinstance(c, FlushedFractionCallback))
+    start = probe.results[0]
+    assert start["when"] == "start" and start["step"] == 0 and start["loss_divisor"] == 2
+    reference = tiny_bert_classifier()
+    reference.load_state_dict(initial)
+    expected = measure_flushed_fraction(reference, batches[0], fp16="emulate", scale=1.0, loss_divisor=2)
+    assert start["flushed_fraction"] == expected["flushed_fraction"] > 0
+    assert start["relative_grad_error"] == pytest.approx(expected["relative_grad_error"], rel=1e-6)
+    assert [r["when"] for r in probe.results] == ["start", "end"]
+    assert not torch.equal(trainer.model.classifier.weight, initial["classifier.weight"])  # it trained

@@ -1,0 +1,138 @@
+"""The scaler's state structure (`ScalerState`), its checkpoint format across versions, and the
+observer interface the scaler calls."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from hf_lossscale import DynamicLossScaler
+from hf_lossscale.scaler_observers import ScalerObserver
+from hf_lossscale.scaler_state import FIELDS, ScalerState
+
+OLD_STATE = Path(__file__).parent / "data" / "scaler_state_v1.pt"
+
+
+def _iteration(scaler, model, opt, overflow: bool) -> None:
+    loss = model(torch.randn(3, 4)).pow(2).mean() * (float("inf") if overflow else 1.0)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    opt.zero_grad()
+
+
+def test_checkpoint_written_before_the_state_split_loads_and_continues():
+    """`tests/data/scaler_state_v1.pt` was written by the scaler as it was before `ScalerState`
+    existed (commit d0451e1), with the stats of six further steps. Loading it must give back the same
+    state dict, and the same overflow pattern must walk the same trajectory. Catches a renamed or
+    reordered state key, a hysteresis tracker reset on load, and counters not restored."""
+    saved = torch.load(OLD_STATE, weights_only=True)
+    config = saved["state"]["config"]
+    scaler = DynamicLossScaler(**config)
+    scaler.load_state_dict(saved["state"])
+    assert scaler.state_dict() == saved["state"]
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    for overflow, expected in zip(saved["next_overflows"], saved["stats_after"], strict=True):
+        _iteration(scaler, model, opt, bool(overflow))
+        assert scaler.stats() == expected
+
+
+def test_state_fields_are_spelled_once():
+    """Materialising, reading back and the state dict all follow `FIELDS`: a field added there
+    reaches every one of them (catches a field missing from `host_values` or `state_dict`)."""
+    from hf_lossscale import LossScaleConfig
+
+    state = ScalerState(LossScaleConfig(init_scale=8.0, hysteresis=3))
+    assert list(state.host) == list(FIELDS)
+    state.materialise(torch.device("cpu"))
+    assert {k: t.dtype for k, t in state.tensors.items()} == FIELDS
+    state["total_steps"].add_(5)
+    values = state.host_values()
+    assert values == {**ScalerState.initial(LossScaleConfig(init_scale=8.0, hysteresis=3)), "total_steps": 5}
+    assert [type(v) for v in values.values()] == [float, int, int, int, int, int, bool]
+    written = state.state_dict(LossScaleConfig(init_scale=8.0, hysteresis=3))
+    assert set(FIELDS) <= set(written)
+
+
+class Recorder(ScalerObserver):
+    def __init__(self):
+        self.calls = []
+
+    def before_unscale(self, scaler, optimizer):
+        self.calls.append(("before_unscale", scaler.iteration))
+
+    def on_norms(self, scaler, optimizer, params, nonfinite):
+        self.calls.append(("on_norms", len(params)))
+
+    def before_step(self, scaler, optimizer, skipped):
+        self.calls.append(("before_step", skipped))
+
+    def on_update(self, scaler, rule_applied):
+        self.calls.append(("on_update", rule_applied))
+
+    def on_state_loaded(self, scaler):
+        self.calls.append(("on_state_loaded",))
+
+
+def test_observer_is_called_at_fixed_points():
+    """The order and arguments of the observer calls over plain, fused, clipped and hand-set
+    iterations. Catches a hook that is skipped on one path (e.g. `update(new_scale)` not telling
+    the observers, or the fused path claiming to know the skip on the host)."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    plain = torch.optim.SGD(model.parameters(), lr=0.01)
+    fused = torch.optim.AdamW(model.parameters(), fused=True)
+    scaler = DynamicLossScaler(init_scale=2.0**4)
+    rec = Recorder()
+    scaler.observers.append(rec)
+    _iteration(scaler, model, plain, overflow=True)
+    _iteration(scaler, model, fused, overflow=False)
+    loss = model(torch.randn(3, 4)).pow(2).mean()
+    scaler.scale(loss).backward()
+    scaler.clip_grad_norm_(plain, 1.0)
+    scaler.step(plain)
+    scaler.update(new_scale=8.0)
+    scaler.load_state_dict(scaler.state_dict())
+    assert rec.calls == [
+        ("before_unscale", 0), ("before_step", True), ("on_update", True),
+        ("before_unscale", 1), ("before_step", None), ("on_update", True),
+        ("before_unscale", 2), ("on_norms", 2), ("before_step", False), ("on_update", False),
+        ("on_state_loaded",),
+    ]  # fmt: skip
+
+
+def test_without_observers_nothing_is_named_or_polled():
+    """With the observer list emptied the scaler still skips and backs off (the protocol and the
+    rule need no observer), but names nothing and never raises a collapse."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = DynamicLossScaler(init_scale=2.0**4, max_consecutive_skips=2, min_scale=1.0)
+    scaler.observers.clear()
+    for _ in range(4):
+        _iteration(scaler, model, opt, overflow=True)
+    assert scaler.stats()["consecutive_skips"] == 4
+    assert scaler.get_scale() == 1.0
+    assert scaler.overflow_params == []
+
+
+def test_off_mode_has_no_observers():
+    assert DynamicLossScaler(mode="off").observers == []
+    assert len(DynamicLossScaler().observers) == 2
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "static"])
+def test_collapse_still_raised_through_the_observer(mode):
+    from hf_lossscale import LossScaleCollapseError
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = DynamicLossScaler(mode=mode, init_scale=2.0**4, max_consecutive_skips=3)
+    scaler.set_parameter_names(model)
+    _iteration(scaler, model, opt, overflow=True)
+    _iteration(scaler, model, opt, overflow=True)
+    with pytest.raises(LossScaleCollapseError, match=r"3 optimizer steps in a row.*weight"):
+        _iteration(scaler, model, opt, overflow=True)
