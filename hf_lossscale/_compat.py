@@ -49,6 +49,9 @@ INSTANCE_INTERNALS = [
     ("accelerate.optimizer", "AcceleratedOptimizer", "_accelerate_step_called"),
     ("accelerate.optimizer", "AcceleratedOptimizer", "_optimizer_original_step_method"),
     ("accelerate.optimizer", "AcceleratedOptimizer", "_optimizer_patched_step_method"),
+    # where Accelerate keeps a prepared model's own forward under autocast; plain_forward (the
+    # flushed-fraction probe) runs it, and our CPU wrapper keeps the same name
+    ("torch.nn.modules.linear", "Linear", "_original_forward"),
 ]
 
 

@@ -39,20 +39,24 @@ def test_internals_exist(module, path):
 
 @pytest.mark.parametrize(("module", "cls", "attribute"), INSTANCE_INTERNALS)
 def test_instance_internals_exist(module, cls, attribute):
-    """Built as install_loss_scaler meets them: an Accelerator, and an optimizer it wraps with a scaler."""
+    """Built as install_loss_scaler meets them: an Accelerator, an optimizer it wraps with a scaler,
+    and a model it prepared under autocast."""
     from accelerate import Accelerator
     from accelerate.optimizer import AcceleratedOptimizer
 
-    Accelerator()
-    instances = {
-        "Accelerator": Accelerator(),
-        "AcceleratedOptimizer": AcceleratedOptimizer(
+    builders = {
+        # a model Accelerate prepared under autocast (bf16 runs on the CPU; fp16 does the same on CUDA)
+        "Linear": lambda: Accelerator(mixed_precision="bf16", cpu=True).prepare_model(torch.nn.Linear(2, 1)),
+        "Accelerator": Accelerator,
+        "AcceleratedOptimizer": lambda: AcceleratedOptimizer(
             torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1), scaler=torch.amp.GradScaler("cpu")
         ),
     }
-    obj = instances[cls]
+    if cls == "AcceleratedOptimizer":
+        Accelerator()  # the state AcceleratedOptimizer reads
+    obj = builders[cls]()
     assert type(obj).__module__ == module
-    assert hasattr(obj, attribute), f"{module}.{cls}().{attribute} is gone: install_loss_scaler relies on it"
+    assert attribute in vars(obj), f"{module}.{cls}().{attribute} is gone: install_loss_scaler relies on it"
 
 
 def test_accelerated_optimizer_step_protocol():
