@@ -252,7 +252,11 @@ class FlushedFractionCallback(TrainerCallback):
         self._handle: Any = None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if self.batch is None and self._handle is None and _scale_in_force(self.trainer) is not None:
+        if (
+            self.batch is None
+            and self._handle is None
+            and getattr(self.trainer.accelerator, "scaler", None) is not None
+        ):
             self._handle = self.trainer.model.register_forward_pre_hook(self._take_batch, with_kwargs=True)
 
     def _take_batch(self, module, args, kwargs):
