@@ -143,6 +143,12 @@ def test_table_rows_and_readme_block(tmp_path):
         in headline
     )
     assert "95% Student-t interval" in headline
+    assert "static" not in headline.splitlines()[0]  # no benchmark ran it: no empty column
+    with_static = synthetic({"fp32": [0.900], "static": [0.500]})
+    (tmp_path / "wikitext2-mlm.json").write_text(json.dumps({**with_static, "benchmark": "wikitext2-mlm"}))
+    header, _, sst2_row, static_row = table.render_headline(tmp_path).splitlines()[:4]
+    assert header.endswith("| FP16 + static scale 2^24 |")
+    assert sst2_row.endswith("| — |") and "| 50.00 (1/100 steps skipped) |" in static_row
     readme.write_text("no markers")
     with pytest.raises(SystemExit, match="results:start"):
         table.write_readme(readme, "x")
