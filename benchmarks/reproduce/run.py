@@ -1,6 +1,6 @@
 """Benchmark fine-tunes, reproduced: one command per benchmark, each an `hf-lossscale compare` run
-of one of our recipes under FP32, FP16 + dynamic scaling, FP16 without scaling (and, for the
-language models, FP16 + a static 2^24 scale), over two seeds.
+of one of our recipes under FP32, FP16 + dynamic scaling and FP16 without scaling (`--settings`
+adds `static`, a static 2^24 scale), over three seeds, judged by their paired gaps to FP32.
 
     python benchmarks/reproduce/run.py sst2                # MiniLM-L6, SST-2, one epoch (2,105 steps)
     python benchmarks/reproduce/run.py shakespeare-mlm     # and shakespeare-clm, wikitext2-mlm, wikitext2-clm
