@@ -4,24 +4,45 @@ PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 TORCH ?= torch==2.13.0
 
-.PHONY: install install-dev demo test test-slow bench quality format
+.PHONY: install install-dev demo test test-slow test-latest lock bench quality format
+
+# The test environment is pinned: constraints.txt holds every package's exact version (see `lock`).
+CONSTRAINTS ?= constraints.txt
 
 install:
-	$(PIP) install -q $(TORCH)
-	$(PIP) install -q -e ".[demo]"
+	$(PIP) install -q -c $(CONSTRAINTS) $(TORCH)
+	$(PIP) install -q -c $(CONSTRAINTS) -e ".[demo]"
 
 install-dev:
-	$(PIP) install -q $(TORCH)
-	$(PIP) install -q -e ".[dev]"
+	$(PIP) install -q -c $(CONSTRAINTS) $(TORCH)
+	$(PIP) install -q -c $(CONSTRAINTS) -e ".[dev]"
 
 demo: install
 	$(PYTHON) -m hf_lossscale.demo
 
 test: install-dev
-	$(PYTHON) -m pytest -q
+	HF_LOSSSCALE_CHECK_LOCK=1 $(PYTHON) -m pytest -q
 
 test-slow: install-dev
 	$(PYTHON) -m pytest -q -m slow
+
+# The suite on the newest releases, in its own venv (.venv-latest), without the pins: what upstream broke.
+# The version-pin checks are expected to name the packages that moved; everything else should pass.
+test-latest:
+	rm -rf .venv-latest && $(PYTHON) -m venv .venv-latest
+	.venv-latest/bin/pip install -q $(TORCH)
+	.venv-latest/bin/pip install -q --upgrade -e ".[dev]"
+	.venv-latest/bin/python -m pytest -q
+
+# Regenerate constraints.txt from the newest releases in a fresh venv; then run `make test` and update
+# hf_lossscale/_compat.py's TESTED_VERSIONS (tests/test_compat.py checks the two agree).
+lock:
+	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
+	.venv-lock/bin/pip install -q $(TORCH)
+	.venv-lock/bin/pip install -q -e ".[dev]"
+	{ sed -n '1,3p' $(CONSTRAINTS); .venv-lock/bin/pip freeze --exclude-editable \
+	  | grep -v -i '^hf.lossscale' | sed 's/^torch==\([0-9.]*\)+.*/torch==\1/'; } > $(CONSTRAINTS).new
+	mv $(CONSTRAINTS).new $(CONSTRAINTS) && rm -rf .venv-lock
 
 # Benchmarks (a few minutes on 2 CPU cores); results in benchmarks/results/*.json, see benchmarks/README.md.
 bench: install-dev

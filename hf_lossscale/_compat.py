@@ -6,7 +6,7 @@ upgrade is re-verified before it ships.
 
 from __future__ import annotations
 
-TESTED_VERSIONS = {"accelerate": "1.16", "transformers": "5.24", "torch": "2.13", "trl": "1.16"}
+TESTED_VERSIONS = {"accelerate": "1.16", "transformers": "5.25", "torch": "2.13", "trl": "1.16"}
 #: Optional extras: checked when installed (`hf_lossscale.trl_trainers` needs trl).
 OPTIONAL = {"trl"}
 

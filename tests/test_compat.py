@@ -1,31 +1,74 @@
 """Guard: fails loudly when accelerate / transformers change under the integration."""
 
 import importlib
-from importlib.metadata import version
+import os
+import re
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 import pytest
 import torch
 
 from hf_lossscale._compat import INSTANCE_INTERNALS, INTERNALS, TESTED_VERSIONS, major_minor
 
+LOCK = Path(__file__).resolve().parents[1] / "constraints.txt"
+
+
+def locked_versions() -> dict[str, str]:
+    """constraints.txt as {normalised name: version}; comments and blank lines skipped."""
+    out = {}
+    for line in LOCK.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            name, _, pinned = line.partition("==")
+            assert pinned, f"constraints.txt: {line!r} is not an exact pin"
+            out[name.strip().lower().replace("_", "-")] = pinned.strip()
+    return out
+
 
 @pytest.mark.parametrize("package", sorted(TESTED_VERSIONS))
-def test_installed_versions_are_the_tested_ones(package):
-    from importlib.metadata import PackageNotFoundError
+def test_lock_holds_the_tested_versions(package):
+    """Bug caught: TESTED_VERSIONS raised (or the lock regenerated) without the other, so the pinned
+    test environment is not the one the integration's internals were checked against."""
+    locked = locked_versions()
+    assert package in locked, f"constraints.txt does not pin {package}"
+    assert major_minor(locked[package]) == TESTED_VERSIONS[package], (
+        f"constraints.txt pins {package} {locked[package]} but hf_lossscale is tested against "
+        f"{TESTED_VERSIONS[package]}.x: run `make test` on the new lock, check the internals in "
+        "hf_lossscale/_compat.py, then update TESTED_VERSIONS."
+    )
 
+
+def test_lock_is_exact_and_covers_the_test_extras():
+    """Bug caught: a dependency added to pyproject but missing from the lock (installed at whatever
+    version the registry serves that day, the failure this file exists to prevent)."""
+    import tomllib
+
+    locked = locked_versions()
+    project = tomllib.loads((LOCK.parent / "pyproject.toml").read_text())["project"]
+    wanted = project["dependencies"] + project["optional-dependencies"]["dev"]
+    for requirement in wanted:
+        name = re.split(r"[<>=!~\[; ]", requirement, maxsplit=1)[0].lower().replace("_", "-")
+        assert name in locked, f"{name} (from pyproject.toml) is not pinned in constraints.txt"
+
+
+@pytest.mark.skipif(
+    os.environ.get("HF_LOSSSCALE_CHECK_LOCK") != "1",
+    reason="set by `make test` and CI, which install constraints.txt; `make test-latest` does not",
+)
+@pytest.mark.parametrize("package", sorted(TESTED_VERSIONS))
+def test_installed_versions_are_the_locked_ones(package):
     from hf_lossscale._compat import OPTIONAL
 
     try:
-        version(package)
+        installed = version(package)
     except PackageNotFoundError:
         if package in OPTIONAL:
             pytest.skip(f"{package} (an optional extra) is not installed")
         raise
-    installed = major_minor(version(package))
-    assert installed == TESTED_VERSIONS[package], (
-        f"{package} {version(package)} is installed but hf_lossscale is tested against "
-        f"{TESTED_VERSIONS[package]}.x: re-run the integration tests, check the internals in "
-        "hf_lossscale/_compat.py, then update TESTED_VERSIONS."
+    assert installed.split("+")[0] == locked_versions()[package], (
+        f"{package} {installed} is installed, constraints.txt pins {locked_versions()[package]}: "
+        "`make install-dev` installs the lock"
     )
 
 
@@ -111,6 +154,12 @@ def test_untested_versions_are_named_once_at_run_time(monkeypatch):
 
     from hf_lossscale import _compat, install_loss_scaler
 
+    # every other package counts as tested, whatever the registry served this machine
+    for name in _compat.TESTED_VERSIONS:
+        try:
+            monkeypatch.setitem(_compat.TESTED_VERSIONS, name, major_minor(version(name)))
+        except PackageNotFoundError:  # an optional extra that is not installed
+            pass
     monkeypatch.setitem(_compat.TESTED_VERSIONS, "accelerate", "0.1")
     monkeypatch.setattr(_compat, "_warned", False)
     expected = re.escape(f"accelerate {version('accelerate')} (tested: 0.1.x)")
