@@ -23,6 +23,7 @@ from accelerate.utils import DistributedType, convert_outputs_to_fp32
 from ._compat import warn_if_untested
 from .config import LossScaleConfig, resolve_config
 from .emulation import fp16_emulation
+from .fp32_modules import run_in_fp32
 from .scaler import DynamicLossScaler
 
 __all__ = [
@@ -142,10 +143,21 @@ def install_loss_scaler(
         accelerator._optimizers[i] = _attach_to_optimizer(opt, scaler)
     for model in accelerator._models:
         scaler.set_parameter_names(accelerator.unwrap_model(model, keep_fp32_wrapper=True))
+        _apply_fp32_modules(accelerator.unwrap_model(model), scaler)
     _hook_prepare(accelerator)
     _route_clip(accelerator)
     logger.info("hf_lossscale: installed %r", scaler)
     return scaler
+
+
+def _apply_fp32_modules(model: torch.nn.Module, scaler: DynamicLossScaler) -> None:
+    """Run the configured `fp32_modules` patterns, the model's own `_keep_in_fp32_modules` and the
+    modules a loaded state's `"auto"` moved, in FP32. A configured pattern matching nothing is an error."""
+    wrapped = run_in_fp32(model, scaler.config.fp32_patterns)
+    if scaler.state.fp32_modules:
+        wrapped += run_in_fp32(model, scaler.state.fp32_modules, include_model_own=False)
+    if wrapped:
+        logger.warning("hf_lossscale: these modules run in FP32 inside the FP16 run: %s", wrapped)
 
 
 def needs_found_inf_sync(accelerator: Any) -> bool:
@@ -283,6 +295,7 @@ def _hook_prepare(accelerator: Accelerator) -> None:
             _wrap_forward(inner, accelerator._hf_lossscale_context)
         if isinstance(accelerator.scaler, DynamicLossScaler):
             accelerator.scaler.set_parameter_names(inner)
+            _apply_fp32_modules(inner, accelerator.scaler)
         return prepared
 
     @functools.wraps(prepare_optimizer)

@@ -42,7 +42,7 @@ def add_advise_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output_json", default=None, help="Also write the figures here.")
 
 
-def _load_blocks(opts: argparse.Namespace, tokenizer) -> list[list[int]]:
+def load_blocks(opts: argparse.Namespace, tokenizer) -> list[list[int]]:
     from datasets import load_dataset
 
     if (opts.train_file is None) == (opts.dataset_name is None):
@@ -89,7 +89,7 @@ def advise(opts: argparse.Namespace) -> dict[str, Any]:
     causal = opts.objective == "clm"
     tokenizer, model = load_for_objective(opts.model_name_or_path, opts.objective, opts.seed)
     model.train()
-    blocks = _load_blocks(opts, tokenizer)
+    blocks = load_blocks(opts, tokenizer)
     collator = None if causal else DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15)
     optimizer = torch.optim.AdamW(model.parameters(), lr=opts.learning_rate)
     probe = ActivationGradientProbe(model, sample=4096)

@@ -15,10 +15,12 @@ trainer.add_callback(OverflowDiagnosisCallback(trainer, events))
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import time
+import warnings
 from typing import Any
 
 import torch
@@ -27,6 +29,8 @@ from transformers import TrainerCallback
 from .accelerate_hook import effective_mixed_precision, plain_forward
 from .emulation import measure_flushed_fraction
 from .events import EVENT_LOG_NAME
+from .fp32_modules import fp32_module_names, run_in_fp32
+from .overflow import find_overflow_origin
 from .scaler import DynamicLossScaler, LossScaleCollapseError
 from .telemetry import ActivationGradientProbe, module_key
 
@@ -35,6 +39,7 @@ __all__ = [
     "FlushedFractionCallback",
     "LossScaleEventLogCallback",
     "OverflowDiagnosisCallback",
+    "PreflightCallback",
     "loss_scaler_of",
 ]
 
@@ -113,6 +118,12 @@ class LossScaleEventLogCallback(TrainerCallback):
                 {"event": "telemetry", "step": state.global_step, "source": "activation_grads", **acts}
             )
 
+    def on_step_end(self, args, state, control, **kwargs):
+        scaler = loss_scaler_of(self.trainer)
+        if scaler is not None:
+            for event in scaler.drain_events():
+                self.write({**event, "step": state.global_step})
+
     def on_train_end(self, args, state, control, **kwargs):
         end: dict[str, Any] = {"event": "run_end", "step": state.global_step, "time": time.time()}
         scaler = loss_scaler_of(self.trainer)
@@ -152,6 +163,8 @@ def run_info(trainer: Any) -> dict[str, Any]:
         # "emulated", "native-cpu", "cuda"; None when no DynamicLossScaler runs
         "fp16": getattr(trainer.accelerator, "hf_lossscale_fp16", None) if scaler else None,
         "loss_scale_config": scaler.config.to_dict() if scaler else None,
+        # the modules that run in FP32 at the start (configured, the model's own, a resumed "auto")
+        "fp32_modules": fp32_module_names(trainer.accelerator.unwrap_model(trainer.model)) if scaler else [],
         "world_size": args.world_size,
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "per_device_train_batch_size": args.per_device_train_batch_size,
@@ -167,13 +180,23 @@ def run_info(trainer: Any) -> dict[str, Any]:
 
 
 class OverflowDiagnosisCallback(TrainerCallback):
-    """On a skipped optimizer step (the first `max_diagnoses` of a run), while the gradients still
-    exist: name the parameters and modules whose gradients were non-finite, and say whether the
-    model's own loss (its output's `loss`) already was; an `overflow` event and a warning.
+    """On a skipped optimizer step, while the gradients still exist: say which kind of overflow it
+    was and where it starts, name the parameters with non-finite gradients, and (with
+    `fp32_modules="auto"`) run a forward overflow's origin in FP32 from the next step on. An
+    `overflow` event (`kind`, `origin`, `module_type`, `loss_nonfinite`, `params`, ...) and a warning
+    that leads with the origin.
 
-    Costs nothing on clean steps: one device flag per forward (no sync), read only on a skipped
-    step. `loss_nonfinite` is None when the model's output carries no `loss` (a loss computed
-    outside the model).
+    - `kind` `"forward"`: the loss was non-finite; `origin` is the first module, in execution order,
+      whose output is non-finite while its inputs are finite. No loss scale can fix it.
+    - `kind` `"backward"`: the loss was finite; `origin` is the first module, in backward order, whose
+      input gradient is non-finite while its output gradient is finite, at the step's scale.
+
+    Costs nothing on clean steps beyond keeping references to the micro-batches of the current
+    optimizer step (a forward pre-hook; no device work, no copy). On a skipped step (the first
+    `max_diagnoses` of a run, plus every one `"auto"` can still act on) it replays those micro-batches
+    with hooks on every module: one forward per micro-batch up to the one that overflows, and for a
+    finite loss one backward that writes no `.grad` (`hf_lossscale.overflow`). With a plain
+    `Trainer` (torch's `GradScaler`) the loss flag comes from the model's output `loss`.
     """
 
     def __init__(
@@ -183,8 +206,10 @@ class OverflowDiagnosisCallback(TrainerCallback):
         self.event_log = event_log
         self.max_diagnoses = max_diagnoses
         self.diagnosed = 0
+        self.events: list[dict[str, Any]] = []
         self._loss_nonfinite: torch.Tensor | None = None
-        self._handle: Any = None
+        self._batches: list[tuple[tuple, dict]] = []
+        self._handles: list[Any] = []
 
     def _watch_loss(self, module, args, output):
         loss = output.get("loss") if isinstance(output, dict) else None
@@ -192,23 +217,58 @@ class OverflowDiagnosisCallback(TrainerCallback):
             bad = ~torch.isfinite(loss.detach()).all()
             self._loss_nonfinite = bad if self._loss_nonfinite is None else self._loss_nonfinite | bad
 
+    def _take_batch(self, module, args, kwargs):
+        if module.training and torch.is_grad_enabled():
+            self._batches.append((args, kwargs))  # references only: replayed if the step is skipped
+
     def on_train_begin(self, args, state, control, **kwargs):
         scaler = getattr(self.trainer.accelerator, "scaler", None)
-        if self._handle is None and scaler is not None and scaler.is_enabled():
+        if not self._handles and scaler is not None and scaler.is_enabled():
             model = self.trainer.accelerator.unwrap_model(self.trainer.model)
-            self._handle = model.register_forward_hook(self._watch_loss)
+            self._handles = [
+                model.register_forward_pre_hook(self._take_batch, with_kwargs=True),
+                model.register_forward_hook(self._watch_loss),
+            ]
+        ours = loss_scaler_of(self.trainer)
+        if ours is not None:
+            self._apply_fp32_modules(ours)
+
+    def _apply_fp32_modules(self, scaler: DynamicLossScaler) -> None:
+        """The modules a resumed checkpoint's `"auto"` moved to FP32 (the configured patterns were
+        applied when the model was prepared)."""
+        if scaler.state.fp32_modules:
+            model = self.trainer.accelerator.unwrap_model(self.trainer.model)
+            run_in_fp32(model, scaler.state.fp32_modules, include_model_own=False)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self._batches = []
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._batches = []
+
+    def _step_scale(self, scaler: Any) -> float:
+        """The scale the skipped step ran at (its update may have backed off since)."""
+        scale = scaler.get_scale()
+        if isinstance(scaler, DynamicLossScaler):
+            backed = scaler.last_backed_off
+            return (
+                scale / scaler.config.backoff_factor if backed is not None and bool(backed.item()) else scale
+            )
+        return scale / scaler.get_backoff_factor()  # torch's GradScaler backs off on every skip
 
     def on_optimizer_step(self, args, state, control, **kwargs):
         flag, self._loss_nonfinite = self._loss_nonfinite, None
         scaler = getattr(self.trainer.accelerator, "scaler", None)
-        if scaler is None or not scaler.is_enabled() or self.diagnosed >= self.max_diagnoses:
+        if scaler is None or not scaler.is_enabled():
             return
         if not self.trainer.accelerator.optimizer_step_was_skipped:  # read once per step by the Trainer too
+            return
+        ours = scaler if isinstance(scaler, DynamicLossScaler) else None
+        auto = ours is not None and ours.config.auto_fp32
+        if self.diagnosed >= self.max_diagnoses and not auto:
             return
         self.diagnosed += 1
         model = self.trainer.accelerator.unwrap_model(self.trainer.model)
@@ -216,23 +276,108 @@ class OverflowDiagnosisCallback(TrainerCallback):
         with torch.no_grad():
             bad = torch.stack([~torch.isfinite(g).all() for _, g in named]).tolist() if named else []
         params = [n for (n, _), b in zip(named, bad, strict=True) if b]
+        if ours is not None and ours.last_loss_nonfinite is not None:
+            loss_nonfinite = bool(ours.last_loss_nonfinite.item())
+        else:
+            loss_nonfinite = bool(flag.item()) if flag is not None else None
+        origin = self._diagnose(model, scaler)
         event = {
             "event": "overflow",
             "step": state.global_step + 1,  # the optimizer step being skipped
+            "kind": origin["kind"] if origin else ("forward" if loss_nonfinite else "backward"),
+            "origin": origin["origin"] if origin else None,
+            "module_type": origin["module_type"] if origin else None,
             "loss_scale_after": scaler.get_scale(),
-            "loss_nonfinite": bool(flag.item()) if flag is not None else None,
+            "loss_nonfinite": loss_nonfinite,
             "modules": sorted({module_key(n) for n in params}),
             "params": params[:20],
             "n_params": len(params),
         }
+        if origin is None:
+            event["diagnosis"] = "not reproduced in a replay of the step's batches (transient)"
+        if ours is not None and origin is not None:
+            ours.overflow_origin = {"step": event["step"], **origin}
+        self._write(event)
+        logger.warning("hf_lossscale: step %d skipped: %s", event["step"], _describe(event))
+        if auto and event["kind"] == "forward" and origin is not None:
+            self._move_to_fp32(ours, model, origin["origin"], event["step"])
+
+    def _diagnose(self, model: torch.nn.Module, scaler: Any) -> dict[str, Any] | None:
+        if not self._batches:
+            return None
+        context = getattr(self.trainer.accelerator, "_hf_lossscale_context", None) or contextlib.nullcontext
+
+        def loss_fn(m, batch):
+            args, kwargs = batch
+            inputs = {k: v for k, v in kwargs.items() if k != "num_items_in_batch"}
+            if args:
+                out = m(*args, **inputs)
+                return out["loss"] if isinstance(out, dict) else out[0]
+            return self.trainer.compute_loss(m, inputs)
+
+        try:
+            return find_overflow_origin(
+                model, self._batches, loss_fn, context=context, scale=self._step_scale(scaler)
+            )
+        except Exception as err:  # noqa: BLE001 - a diagnosis must never stop training
+            logger.warning("hf_lossscale: the overflow diagnosis failed (%s: %s)", type(err).__name__, err)
+            return None
+
+    def _move_to_fp32(
+        self, scaler: DynamicLossScaler, model: torch.nn.Module, origin: str, step: int
+    ) -> None:
+        moved = scaler.state.fp32_modules
+        if origin == "":
+            self._write({"event": "fp32_module_refused", "step": step, "module": origin,
+                         "reason": "the model's own forward (a loss or head computed outside submodules)"})  # fmt: skip
+            logger.warning("hf_lossscale: fp32_modules='auto': the forward overflow starts in the model's own "
+                           "forward, outside its submodules; nothing to move to FP32.")  # fmt: skip
+            return
+        if origin in moved:
+            return
+        cap = scaler.config.max_auto_fp32_modules
+        if len(moved) >= cap:
+            self._write({"event": "fp32_module_refused", "step": step, "module": origin,
+                         "reason": f"max_auto_fp32_modules={cap} reached", "fp32_modules": list(moved)})  # fmt: skip
+            warnings.warn(
+                f"hf_lossscale: fp32_modules='auto' would move `{origin}` to FP32, but max_auto_fp32_modules="
+                f"{cap} modules are there already ({moved}). Raise the cap, or list modules by hand.",
+                stacklevel=2,
+            )
+            return
+        run_in_fp32(model, [origin], include_model_own=False)
+        moved.append(origin)
+        self._write(
+            {"event": "fp32_module_added", "step": step, "module": origin, "fp32_modules": list(moved)}
+        )
+        warnings.warn(
+            f"hf_lossscale: fp32_modules='auto': `{origin}` overflowed in the FP16 forward; it runs in FP32 "
+            f"from step {step + 1} on ({len(moved)} of at most {scaler.config.max_auto_fp32_modules}).",
+            stacklevel=2,
+        )
+
+    def _write(self, event: dict[str, Any]) -> None:
+        self.events.append(event)
         if self.event_log is not None:
             self.event_log.write(event)
-        logger.warning(
-            "hf_lossscale: step %d skipped: non-finite gradients in %s%s",
-            event["step"],
-            ", ".join(event["modules"][:5]) or "(none found: a fused kernel may have consumed them)",
-            "; the loss itself was non-finite" if event["loss_nonfinite"] else "",
+
+
+def _describe(event: dict[str, Any]) -> str:
+    """The warning's text: the origin first, the parameters as detail."""
+    where = ", ".join(event["modules"][:5]) or "(none found: a fused kernel may have consumed them)"
+    if event["kind"] == "forward":
+        lead = (
+            f"FORWARD overflow in `{event['origin']}` ({event['module_type']}): its output is non-finite in "
+            "FP16 with finite inputs, so the loss is non-finite and no loss scale can help; run it in FP32 "
+            "(fp32_modules, or 'auto')"
+            if event["origin"] is not None
+            else "the loss itself was non-finite (a forward overflow; no module to blame was found)"
         )
+    elif event["origin"] is not None:
+        lead = f"backward overflow starting in `{event['origin']}` ({event['module_type']}) at this scale"
+    else:
+        lead = "non-finite gradients"
+    return f"{lead}; non-finite gradients in {where}"
 
 
 class FlushedFractionCallback(TrainerCallback):
@@ -302,6 +447,68 @@ class FlushedFractionCallback(TrainerCallback):
         self.results.append(event)
         if self.event_log is not None:
             self.event_log.write(event)
+        return result
+
+
+class PreflightCallback(TrainerCallback):
+    """`loss_scale_preflight`: `hf_lossscale.preflight` on the first training batch, before the first
+    step (inside the first training forward, as the flushed probe takes its batch): a `preflight`
+    event, and a warning with its table when a module overflows, comes near, or the FP16 replay finds
+    an origin (otherwise the table is logged at INFO). The FP32 passes run in eval mode and the replay
+    forks the RNG, so the run's data order and dropout are untouched; the model is left as found."""
+
+    def __init__(self, trainer: Any, event_log: LossScaleEventLogCallback | None = None) -> None:
+        self.trainer = trainer
+        self.event_log = event_log
+        self.result: dict[str, Any] | None = None
+        self._handle: Any = None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if self.result is None and self._handle is None and getattr(self.trainer.accelerator, "scaler", None):
+            self._handle = self.trainer.model.register_forward_pre_hook(self._take_batch, with_kwargs=True)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def _take_batch(self, module, args, kwargs):
+        if not module.training or not torch.is_grad_enabled():
+            return
+        self._handle.remove()
+        self._handle = None
+        batch = {k: v for k, v in kwargs.items() if k != "num_items_in_batch"}
+        self.run(batch)
+
+    def run(self, batch: dict[str, Any]) -> dict[str, Any]:
+        from .preflight import format_preflight, preflight
+
+        trainer = self.trainer
+        model = trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=True)
+        context = getattr(trainer.accelerator, "_hf_lossscale_context", None)
+        with plain_forward(model):
+            result = preflight(
+                model, [batch], lambda m, b: trainer.compute_loss(m, b), fp16_context=context,
+                loss_divisor=trainer.args.gradient_accumulation_steps,
+            )  # fmt: skip
+        self.result = result
+        table = format_preflight(result)
+        modules = result["modules"]
+        event = {
+            "event": "preflight",
+            "step": trainer.state.global_step,
+            "overflowing_modules": [n for n, m in modules.items() if m["status"] == "overflows"],
+            "near_modules": [n for n, m in modules.items() if m["status"] == "near"],
+            "fp16_origins": [o.get("origin") for o in result["overflow_in_fp16"]],
+            "suggested_fp32_modules": result["suggested_fp32_modules"],
+            "suggested_init_scale": result["suggested_init_scale"],
+        }
+        if self.event_log is not None:
+            self.event_log.write(event)
+        if event["overflowing_modules"] or event["near_modules"] or event["fp16_origins"]:
+            warnings.warn(f"hf_lossscale pre-flight (FP32 passes on the first batch):\n{table}", stacklevel=2)
+        else:
+            logger.info("hf_lossscale pre-flight (FP32 passes on the first batch):\n%s", table)
         return result
 
 

@@ -6,6 +6,9 @@
 - `hf-lossscale advise --model_name_or_path M --train_file F`: measure gradients, recommend a scale.
 - `hf-lossscale underflow --model_name_or_path M --objective clm`: the underflow map (flushed
   gradients against tokens per optimizer step, at scale 1, the settled scale and a static one).
+- `hf-lossscale preflight --model_name_or_path M --train_file F`: before training, which modules
+  would overflow in FP16 (activations above 65504, or a replayed FP16 forward), the margins in bits,
+  the suggested `fp32_modules` and initial scale.
 """
 
 from __future__ import annotations
@@ -55,6 +58,15 @@ def make_parser() -> argparse.ArgumentParser:
         description=underflow_doc, formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     add_underflow_arguments(underflow)
+
+    from .preflight import __doc__ as preflight_doc
+    from .preflight import add_preflight_arguments
+
+    preflight = commands.add_parser(
+        "preflight", help="Before training: which modules overflow FP16, with margins and suggested fp32_modules.",
+        description=preflight_doc, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    add_preflight_arguments(preflight)
     return parser
 
 
@@ -82,6 +94,11 @@ def main(argv: list[str] | None = None) -> int:
 
         run(opts)
         return 0
+    if opts.command == "preflight":
+        from .preflight import run as run_preflight
+
+        result = run_preflight(opts)
+        return 2 if result["suggested_fp32_modules"] else 0
     if opts.command == "underflow":
         from .underflow import run as run_underflow
 

@@ -14,10 +14,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LossScaleConfig", "MODES", "FP16_ON_CPU", "ENV_PREFIX", "ENV_CONFIG_FILE", "resolve_config"]
+__all__ = [
+    "LossScaleConfig",
+    "MODES",
+    "FP16_ON_CPU",
+    "AT_MIN_SCALE",
+    "AUTO",
+    "ENV_PREFIX",
+    "ENV_CONFIG_FILE",
+    "resolve_config",
+]
 
 MODES = ("dynamic", "static", "off")
 FP16_ON_CPU = ("emulate", "native")
+#: What happens when skipped steps pile up at the floor (`at_min_scale`).
+AT_MIN_SCALE = ("raise", "warn", "clamp")
+#: The `fp32_modules` entry that lets a diagnosed forward overflow add its origin module.
+AUTO = "auto"
 
 #: Per-field environment variables are ``HF_LOSSSCALE_<FIELD NAME IN CAPITALS>``.
 ENV_PREFIX = "HF_LOSSSCALE_"
@@ -25,7 +38,7 @@ ENV_PREFIX = "HF_LOSSSCALE_"
 ENV_CONFIG_FILE = "HF_LOSSSCALE_CONFIG"
 #: Variables in our namespace that are not scaler settings: where the tests and benchmarks find the
 #: benchmark data, and whether its absence fails them (CI) or skips them.
-ENV_NOT_CONFIG = ("HF_LOSSSCALE_DATA", "HF_LOSSSCALE_REQUIRE_DATA")
+ENV_NOT_CONFIG = ("HF_LOSSSCALE_DATA", "HF_LOSSSCALE_REQUIRE_DATA", "HF_LOSSSCALE_CHECK_LOCK")
 
 
 def _is_int(value: Any) -> bool:
@@ -67,6 +80,26 @@ class LossScaleConfig:
             how an FP16 run on a CPU computes: `"emulate"` (FP16 numerics at FP32 speed, see
             `fp16_emulation`) or `"native"` (real `torch.autocast("cpu", float16)`, ~20x slower).
             Never used on CUDA, where autocast is real.
+        backoff_on_nonfinite_loss (`bool`, *optional*, defaults to `False`):
+            a step whose *loss* is non-finite (an overflow in the forward pass, which no scale can fix)
+            is skipped and counted (`nonfinite_loss_steps`) but leaves the scale, the growth and the
+            hysteresis trackers as they were. `True` backs off as on any overflow (torch's rule).
+        fp32_modules (`tuple[str, ...]`, *optional*, defaults to `()`):
+            module-name patterns (a dotted name, a dotted suffix such as `"attention.self"`, or an
+            `fnmatch` pattern such as `"*.layer.3.*"`) whose forward runs outside autocast with floating
+            inputs upcast to FP32; merged with the model's own `_keep_in_fp32_modules`. A string is
+            split at commas. `"auto"` adds, from the next step on, each module diagnosed as the
+            origin of a forward overflow (kept in the checkpoint).
+        max_auto_fp32_modules (`int`, *optional*, defaults to `8`):
+            the most modules `"auto"` adds to FP32 in one run; the one refused beyond it is named.
+        at_min_scale (`str`, *optional*, defaults to `"raise"`):
+            after `max_consecutive_skips` skips in a row: `"raise"` (`LossScaleCollapseError`),
+            `"warn"` (warn once and keep skipping), or `"clamp"` (at the floor, stop skipping: the
+            non-finite gradient elements are clamped, NaN to 0 and +-inf to +-65504 / scale, and the
+            optimizer steps; costs one host read of the overflow flag per step).
+        floor_event_steps (`int`, *optional*, defaults to `100`):
+            an event (and a warning) when the scale has sat at `min_scale` for this many optimizer
+            steps in a row. 0 disables it.
 
     Example:
 
@@ -114,6 +147,29 @@ class LossScaleConfig:
         },
     )
 
+    backoff_on_nonfinite_loss: bool = field(
+        default=False,
+        metadata={"help": "Back the scale off on a step whose loss is non-finite too (torch's rule)."},
+    )
+    fp32_modules: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "Module-name patterns run in FP32 (comma-separated; 'auto' adds each diagnosed "
+            "forward-overflow origin)."
+        },
+    )
+    max_auto_fp32_modules: int = field(
+        default=8, metadata={"help": "The most modules fp32_modules='auto' adds in one run (>= 1)."}
+    )
+    at_min_scale: str = field(
+        default="raise",
+        metadata={"help": f"After max_consecutive_skips skips in a row: one of {AT_MIN_SCALE}."},
+    )
+    floor_event_steps: int = field(
+        default=100,
+        metadata={"help": "Event when the scale sits at min_scale this many steps in a row (0: off)."},
+    )
+
     def __post_init__(self) -> None:
         self.validate()
 
@@ -159,6 +215,24 @@ class LossScaleConfig:
             )
         if not isinstance(self.fp16_on_cpu, str) or self.fp16_on_cpu not in FP16_ON_CPU:
             raise ValueError(f"LossScaleConfig.fp16_on_cpu={self.fp16_on_cpu!r} is not one of {FP16_ON_CPU}.")
+        if not isinstance(self.backoff_on_nonfinite_loss, bool):
+            raise ValueError(
+                f"LossScaleConfig.backoff_on_nonfinite_loss={self.backoff_on_nonfinite_loss!r} "
+                "must be True or False."
+            )
+        self.fp32_modules = _module_patterns(self.fp32_modules)
+        ma = self.max_auto_fp32_modules
+        if not _is_int(ma) or ma < 1:
+            raise ValueError(f"LossScaleConfig.max_auto_fp32_modules={ma!r} must be an integer >= 1.")
+        if not isinstance(self.at_min_scale, str) or self.at_min_scale not in AT_MIN_SCALE:
+            raise ValueError(
+                f"LossScaleConfig.at_min_scale={self.at_min_scale!r} is not one of {AT_MIN_SCALE}."
+            )
+        fe = self.floor_event_steps
+        if not _is_int(fe) or fe < 0:
+            raise ValueError(
+                f"LossScaleConfig.floor_event_steps={fe!r} must be an integer >= 0 (0 disables)."
+            )
         if self.min_scale > self.max_scale:
             raise ValueError(
                 f"LossScaleConfig.min_scale={self.min_scale!r} is above "
@@ -172,8 +246,20 @@ class LossScaleConfig:
 
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:
-        """All fields as plain Python values (JSON- and YAML-safe)."""
-        return dataclasses.asdict(self)
+        """All fields as plain Python values (JSON- and YAML-safe: `fp32_modules` as a list)."""
+        out = dataclasses.asdict(self)
+        out["fp32_modules"] = list(self.fp32_modules)
+        return out
+
+    @property
+    def auto_fp32(self) -> bool:
+        """Whether `fp32_modules` holds `"auto"`."""
+        return AUTO in self.fp32_modules
+
+    @property
+    def fp32_patterns(self) -> tuple[str, ...]:
+        """The `fp32_modules` patterns, without `"auto"`."""
+        return tuple(p for p in self.fp32_modules if p != AUTO)
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
@@ -279,6 +365,21 @@ class LossScaleConfig:
         return dataclasses.replace(self, **changes)
 
 
+def _module_patterns(value: Any) -> tuple[str, ...]:
+    """`fp32_modules` as a tuple of non-empty names: a string is split at commas."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(v, str) for v in items):
+        raise ValueError(
+            f"LossScaleConfig.fp32_modules={value!r} must be module-name patterns: a list of strings, "
+            "or one string of comma-separated names ('auto' for diagnosed forward-overflow origins)."
+        )
+    out = tuple(dict.fromkeys(v.strip() for v in items if v.strip()))
+    bad = [v for v in out if any(c.isspace() for c in v)]
+    if bad:
+        raise ValueError(f"LossScaleConfig.fp32_modules: {bad} hold spaces; module names have none.")
+    return out
+
+
 def read_config_file(path: str | os.PathLike, what: str = "loss-scale config") -> Any:
     """Parse a YAML or JSON file; errors name the file."""
     path = Path(path)
@@ -322,7 +423,7 @@ def _parse_env_value(name: str, var: str, raw: str) -> Any:
             return int(value)
         if kind == "float":
             return float(text)
-        return text
+        return text  # str, and fp32_modules' comma-separated names
     except ValueError:
         expected = {"bool": "true/false", "float": "a number"}.get(
             kind, "an integer" if "int" in kind else kind

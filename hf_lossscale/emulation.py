@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
-__all__ = ["fp16_emulation", "measure_flushed_fraction", "POLICIES", "FP16Emulation"]
+__all__ = ["fp16_emulation", "fp32_region", "measure_flushed_fraction", "POLICIES", "FP16Emulation"]
 
 # Autocast's lower-precision (FP16) list for CUDA (`torch.linalg.*` functions are seen by their
 # `linalg_` names).
@@ -253,6 +253,8 @@ class FP16Emulation(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if _FP32_REGION_DEPTH[0]:  # inside fp32_region(): real FP32, as outside autocast
+            return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         if name == "__get__":  # a property: .T, .mT, .H, .mH are views and stay FP16
             out = func(*args, **kwargs)
@@ -313,6 +315,21 @@ def _pad_mode(args: tuple, kwargs: dict) -> str:
     if "mode" in kwargs:
         return kwargs["mode"]
     return args[2] if len(args) > 2 and isinstance(args[2], str) else "constant"
+
+
+_FP32_REGION_DEPTH = [0]
+
+
+@contextlib.contextmanager
+def fp32_region() -> Iterator[None]:
+    """Inside it the emulation computes in plain FP32, as real autocast does under
+    `torch.autocast(..., enabled=False)` (`hf_lossscale.fp32_modules` enters both). Upcast virtually
+    FP16 inputs first (`fp32_modules.upcast`), as code leaving autocast calls `.float()`."""
+    _FP32_REGION_DEPTH[0] += 1
+    try:
+        yield
+    finally:
+        _FP32_REGION_DEPTH[0] -= 1
 
 
 @contextlib.contextmanager

@@ -31,6 +31,7 @@ from .telemetry import GradientTelemetry
 __all__ = ["DynamicLossScaler", "LossScaleCollapseError", "OptState", "STATE_FORMAT", "STATE_FORMAT_VERSION"]
 
 _MAX_NAMES = 8  # parameter names shown in the FP16-parameter error
+_FP16_MAX = 65504.0
 
 
 class OptState(Enum):
@@ -112,6 +113,16 @@ class DynamicLossScaler:
         self._host_skipped: bool | None = None  # the last step's skip, where the host already knows it
         self._iteration = 0  # host-side count of update() calls: decides telemetry without a sync
         self._found_inf_group: Any = None  # set by sync_found_inf_across() for local-shard paths
+        # 0-d bool device flag: every loss scale() saw since the last update() was finite (None: none seen)
+        self._loss_finite: torch.Tensor | None = None
+        #: Device flags of the last update: its loss was non-finite / it backed the scale off.
+        self.last_loss_nonfinite: torch.Tensor | None = None
+        self.last_backed_off: torch.Tensor | None = None
+        #: The latest overflow diagnosis (`hf_lossscale.overflow`): {"kind", "origin", "step", ...}.
+        #: The collapse error leads with it. Set by whoever diagnoses (the Trainer's callback).
+        self.overflow_origin: dict[str, Any] | None = None
+        #: Steps taken at the floor with clamped gradients (`at_min_scale="clamp"`), host-side.
+        self.clamped_steps = 0
         #: Names of parameters for overflow reports and errors (`set_parameter_names`).
         self.parameter_names = ParameterNames()
         #: Exponent histograms of the scaled gradients every `config.telemetry_interval` iterations.
@@ -206,6 +217,7 @@ class DynamicLossScaler:
 
         def apply(val: Any) -> Any:
             if isinstance(val, torch.Tensor):
+                self._note_loss(val)
                 scale = per_device.get(val.device)
                 if scale is None:
                     scale = self._scale.to(device=val.device, non_blocking=True)
@@ -218,6 +230,25 @@ class DynamicLossScaler:
             raise ValueError("scale() takes a Tensor or an iterable of Tensors.")
 
         return apply(outputs)
+
+    def _note_loss(self, loss: torch.Tensor) -> None:
+        """Record on the device whether a scaled loss is finite (no host sync): a non-finite loss is a
+        forward overflow, which no scale can fix."""
+        finite = torch.isfinite(loss.detach()).all().to(self._scale.device, non_blocking=True)
+        self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
+
+    def _initial_found(self, device: torch.device) -> torch.Tensor:
+        """A fresh found-inf flag for `device`: 1.0 when a loss of this iteration was non-finite (the
+        step is skipped whatever the gradients hold), else 0.0."""
+        if self._loss_finite is None:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        return (~self._loss_finite).to(device=device, dtype=torch.float32, non_blocking=True)
+
+    @property
+    def loss_finite_tensor(self) -> torch.Tensor | None:
+        """A 0-d bool device flag: were all losses `scale()` saw since the last `update()` finite?
+        None before the first `scale()` of the iteration. No sync."""
+        return self._loss_finite
 
     # ------------------------------------------------------------------ unscale / check
     def _grads_by_device_and_dtype(self, optimizer: torch.optim.Optimizer):
@@ -261,12 +292,12 @@ class DynamicLossScaler:
         with torch.no_grad():
             for device, per_dtype in self._grads_by_device_and_dtype(optimizer).items():
                 if device not in found:
-                    found[device] = torch.zeros((), dtype=torch.float32, device=device)
+                    found[device] = self._initial_found(device)
                     inv[device] = inv_scale.to(device, non_blocking=True)
                 for grads in per_dtype.values():
                     torch._amp_foreach_non_finite_check_and_unscale_(grads, found[device], inv[device])
-        if not found:  # no gradients at all: record a clean check on the scale's device
-            found[self._scale.device] = torch.zeros((), dtype=torch.float32, device=self._scale.device)
+        if not found:  # no gradients at all: record the loss's check on the scale's device
+            found[self._scale.device] = self._initial_found(self._scale.device)
         if self._found_inf_group is not None:
             import torch.distributed as dist
 
@@ -324,6 +355,8 @@ class DynamicLossScaler:
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
+        if self.config.at_min_scale == "clamp":
+            return self._step_clamping(optimizer, state, args, kwargs)
 
         if getattr(optimizer, "_step_supports_amp_scaling", False):
             if state["stage"] is OptState.READY:
@@ -360,6 +393,38 @@ class DynamicLossScaler:
         self._before_step(optimizer, skipped)
         if not skipped:
             retval = optimizer.step(*args, **kwargs)
+        state["host_skipped"] = skipped
+        state["stage"] = OptState.STEPPED
+        return retval
+
+    def _step_clamping(
+        self, optimizer: torch.optim.Optimizer, state: dict[str, Any], args: tuple, kwargs: dict
+    ) -> Any:
+        """`at_min_scale="clamp"`: with the scale at its floor, an overflowing step is not skipped: NaN
+        gradient elements become 0 and +-inf become +-65504 / scale (the largest FP16 gradient), and
+        the optimizer steps. One host read per step (the flag and the scale together)."""
+        if state["stage"] is OptState.READY:
+            self.unscale_(optimizer)
+        else:
+            self._apply_deferred_unscale(optimizer, state)
+        found = self._found_inf(optimizer)
+        found_v, scale_v = torch.stack([found, self._scale.to(found.device)]).tolist()
+        skipped = found_v > 0
+        if skipped and scale_v <= self.config.min_scale:
+            limit = _FP16_MAX / scale_v
+            with torch.no_grad():
+                for group in optimizer.param_groups:
+                    for param in group["params"]:
+                        if param.grad is not None:
+                            values = param.grad._values() if param.grad.is_sparse else param.grad
+                            torch.nan_to_num_(values, nan=0.0, posinf=limit, neginf=-limit)
+            state["found_inf_per_device"] = {
+                device: torch.zeros_like(flag) for device, flag in state["found_inf_per_device"].items()
+            }
+            self.clamped_steps += 1
+            skipped = False
+        self._before_step(optimizer, skipped)
+        retval = None if skipped else optimizer.step(*args, **kwargs)
         state["host_skipped"] = skipped
         state["stage"] = OptState.STEPPED
         return retval
@@ -436,6 +501,8 @@ class DynamicLossScaler:
             scale = self._scale.to(device, non_blocking=True)
             norm = scaled_norm.to(device) / scale  # exact for a power-of-two scale
             found = (~torch.isfinite(norm)).float()
+            if self._loss_finite is not None:
+                found = torch.maximum(found, self._initial_found(device))
             if error_if_nonfinite and found:
                 raise RuntimeError(
                     f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "
@@ -484,12 +551,14 @@ class DynamicLossScaler:
         self._iteration += 1
         if new_scale is not None:
             self._set_scale(new_scale)
+            self._loss_finite = None
             self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
             self._host_skipped = None
             self._notify_update(rule_applied=False)
             return
         if not self.is_enabled():
             self.state["total_steps"].add_(1)
+            self._loss_finite = None
             self._host_skipped = False
             self._notify_update(rule_applied=False)
             return
@@ -506,32 +575,65 @@ class DynamicLossScaler:
                 "each optimizer of the iteration before update()."
             )
         found = torch.stack(flags).amax() > 0 if len(flags) > 1 else flags[0] > 0
-        self._apply_rule(found)
+        loss_bad = None if self._loss_finite is None else ~self._loss_finite
+        self._loss_finite = None
+        if _world_size(self._found_inf_group) > 1:
+            loss_bad = self._all_ranks_loss_flag(loss_bad)
+        self._apply_rule(found, loss_bad)
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
         self._notify_update(rule_applied=True)
 
-    def _apply_rule(self, found: torch.Tensor) -> None:
-        """The update rule on the device tensors; `found` is a 0-d bool tensor."""
+    def _all_ranks_loss_flag(self, loss_bad: torch.Tensor | None) -> torch.Tensor:
+        """Whether any rank's loss was non-finite: one 1-element all-reduce (MAX) on the device, no host
+        sync. Under DDP one rank's non-finite loss makes every rank's gradients non-finite; without
+        this, that rank would spare the scale while the others back off, and the replicas' scales (and
+        later their skips) would drift apart. Every rank takes part, with 0 when it saw no loss."""
+        import torch.distributed as dist
+
+        if loss_bad is None:
+            flag = torch.zeros((), dtype=torch.float32, device=self._scale.device)
+        else:
+            flag = loss_bad.to(torch.float32)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._found_inf_group)
+        return flag > 0
+
+    def _apply_rule(self, found: torch.Tensor, loss_bad: torch.Tensor | None = None) -> None:
+        """The update rule on the device tensors; `found` is a 0-d bool tensor (the step was skipped),
+        `loss_bad` whether a loss of the iteration was non-finite (None: no loss was seen).
+
+        A skip whose loss was non-finite is a forward overflow: unless `backoff_on_nonfinite_loss`,
+        it leaves the scale and the trackers as they were (no scale can fix it)."""
         c, s = self.config, self.state
         found_i = found.to(torch.int64)
         s["total_steps"].add_(1)
         s["skipped_steps"].add_(found_i)
         s["consecutive_skips"].mul_(found_i).add_(found_i)
         s.replace("last_step_skipped", found)  # a fresh tensor each update: holders keep a snapshot
+        self.last_loss_nonfinite = loss_bad
+        self.last_backed_off = None
+        if loss_bad is not None:
+            bad_i = loss_bad.to(torch.int64)
+            s["nonfinite_loss_steps"].add_(bad_i)
+            s["consecutive_nonfinite_loss"].mul_(bad_i).add_(bad_i)
         if c.mode != "dynamic":
             return
         scale, growth, hyst = s["scale"], s["_growth_tracker"], s["_hysteresis_tracker"]
-        growth_after = torch.where(found, 0, growth + 1)
+        neutral = None if loss_bad is None or c.backoff_on_nonfinite_loss else loss_bad
+        overflow = found if neutral is None else found & ~neutral
+        growth_after = torch.where(overflow, 0, growth + 1)
+        if neutral is not None:  # a forward overflow neither resets nor advances the growth streak
+            growth_after = torch.where(neutral, growth, growth_after)
         grow = growth_after >= c.growth_interval
         hyst_after_overflow = (hyst - 1).clamp_(min=0)
-        back_off = found & (hyst_after_overflow == 0)
+        back_off = overflow & (hyst_after_overflow == 0)
+        self.last_backed_off = back_off
         # Compute in float64 and round once, as torch's _amp_update_scale_ kernels do.
         grown = (scale.double() * c.growth_factor).clamp_(max=c.max_scale).float()
         backed = (scale.double() * c.backoff_factor).clamp_(min=c.min_scale).float()
         scale.copy_(torch.where(back_off, backed, torch.where(grow, grown, scale)))
         growth.copy_(torch.where(grow, 0, growth_after))
         refill = grow | (~found) if c.consecutive_hysteresis else grow
-        hyst.copy_(torch.where(found, hyst_after_overflow, torch.where(refill, c.hysteresis, hyst)))
+        hyst.copy_(torch.where(overflow, hyst_after_overflow, torch.where(refill, c.hysteresis, hyst)))
 
     def _set_scale(self, new_scale: float | torch.Tensor) -> None:
         if isinstance(new_scale, torch.Tensor):
@@ -549,6 +651,11 @@ class DynamicLossScaler:
     def _notify_update(self, rule_applied: bool) -> None:
         for observer in self.observers:
             observer.on_update(self, rule_applied)
+
+    def drain_events(self) -> list[dict[str, Any]]:
+        """Events the observers queued since the last call (`floor`, `collapse_warning`), for an event
+        log; each without `step` (the caller knows it)."""
+        return [e for o in self.observers if hasattr(o, "drain_events") for e in o.drain_events()]
 
     @property
     def overflow_params(self) -> list[str]:
@@ -610,6 +717,8 @@ class DynamicLossScaler:
             "growth_tracker": v["_growth_tracker"],
             "hysteresis_tracker": v["_hysteresis_tracker"],
             "last_step_skipped": v["last_step_skipped"],
+            "nonfinite_loss_steps": v["nonfinite_loss_steps"],
+            "consecutive_nonfinite_loss": v["consecutive_nonfinite_loss"],
         }
 
     # ------------------------------------------------------------------ checkpointing
@@ -637,6 +746,15 @@ class DynamicLossScaler:
 
     def __repr__(self) -> str:
         return f"DynamicLossScaler({self.config!r}, device={self.device})"
+
+
+def _world_size(group: Any = None) -> int:
+    """The number of ranks in `group` (the world by default); 1 without an initialised process group."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return 1
+    return dist.get_world_size(group)
 
 
 def _fused_sgd_first_step(optimizer: torch.optim.Optimizer) -> bool:

@@ -12,6 +12,7 @@ The scaler holds a list of observers; with none (as in `"off"` mode) it makes no
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
 
@@ -22,14 +23,38 @@ from ._hostcopy import HostCopy
 if TYPE_CHECKING:
     from .scaler import DynamicLossScaler
 
-__all__ = ["LossScaleCollapseError", "ParameterNames", "ScalerObserver", "SkipWatch", "TelemetryWatch"]
+__all__ = [
+    "LossScaleCollapseError",
+    "ParameterNames",
+    "ScalerObserver",
+    "SkipWatch",
+    "TelemetryWatch",
+    "collapse_message",
+]
 
 _MAX_NAMES = 8  # parameter names kept for an overflow report
 _MAX_PENDING_NAMES = 4  # overflow-flag copies in flight to the host
 
 
 class LossScaleCollapseError(RuntimeError):
-    """Raised after `max_consecutive_skips` skipped steps in a row: the scale cannot recover."""
+    """Raised after `max_consecutive_skips` skipped steps in a row: the scale cannot recover.
+
+    `origin` and `kind` (`"forward"`/`"backward"`) name the latest diagnosed overflow, when one
+    was diagnosed (the Trainer's `OverflowDiagnosisCallback` does); `nonfinite_loss_steps` is how
+    many of the skips in a row had a non-finite loss (forward overflows)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        origin: str | None = None,
+        kind: str | None = None,
+        nonfinite_loss_steps: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.origin = origin
+        self.kind = kind
+        self.nonfinite_loss_steps = nonfinite_loss_steps
 
 
 class ParameterNames:
@@ -121,6 +146,11 @@ class SkipWatch(ScalerObserver):
         self.names = names
         self.known_consecutive = 0  # the last value read from a host copy
         self._copy: HostCopy | None = None
+        self._scale_copies: list[HostCopy] = []  # the scale after each update, for the floor event
+        self.steps_at_floor = 0
+        self.collapse_warned = False
+        #: Events for the run's event log (`floor`, `collapse_warning`), taken by `drain_events()`.
+        self.events: list[dict] = []
         self._pending: list[tuple[HostCopy, torch.optim.Optimizer, list[torch.Tensor]]] = []
         self._named_this_iteration: set[int] = set()
         self.overflow_params: list[str] = []
@@ -179,27 +209,104 @@ class SkipWatch(ScalerObserver):
                 self.known_consecutive = copy.value()
             else:
                 self._copy = copy
+        self._watch_floor(scaler)
         limit = scaler.config.max_consecutive_skips
         if limit is not None and self.known_consecutive >= limit:
-            self._raise_collapse(scaler)
+            if scaler.config.at_min_scale == "raise":
+                self._raise_collapse(scaler)
+            if not self.collapse_warned:  # "warn" and "clamp": say it once, keep going
+                self.collapse_warned = True
+                message = collapse_message(scaler, self.known_consecutive, self.resolve())
+                self.events.append({"event": "collapse_warning", "message": message})
+                mode = scaler.config.at_min_scale
+                warnings.warn(f"{message} (at_min_scale={mode!r}: training goes on)", stacklevel=4)
+        elif self.known_consecutive == 0:
+            self.collapse_warned = False
+
+    def _watch_floor(self, scaler: DynamicLossScaler) -> None:
+        """Count updates in a row that left the scale at `min_scale`, from host copies of the scale
+        (on CUDA read an update or so late, never waited for); an event at `floor_event_steps`."""
+        c = scaler.config
+        if not c.floor_event_steps or c.mode != "dynamic":
+            return
+        self._scale_copies.append(HostCopy(scaler.state["scale"]))
+        while self._scale_copies and self._scale_copies[0].ready():
+            at_floor = self._scale_copies.pop(0).value() <= c.min_scale
+            self.steps_at_floor = self.steps_at_floor + 1 if at_floor else 0
+            if self.steps_at_floor == c.floor_event_steps:
+                message = (
+                    f"hf_lossscale: the loss scale has sat at its floor min_scale={c.min_scale:g} for "
+                    f"{c.floor_event_steps} optimizer steps in a row: gradients below "
+                    f"{2.0**-24 / c.min_scale:.1e} flush to zero in FP16. If steps keep being skipped, "
+                    "an overflow no scale can fix is likely (see the overflow events' `origin`; "
+                    "`fp32_modules`); otherwise consider a lower min_scale."
+                )
+                self.events.append(
+                    {"event": "floor", "steps_at_floor": self.steps_at_floor, "min_scale": c.min_scale}
+                )
+                warnings.warn(message, stacklevel=4)
+        del self._scale_copies[:-_MAX_PENDING_NAMES]
+
+    def drain_events(self) -> list[dict]:
+        """The events since the last call (for an event log)."""
+        out, self.events = self.events, []
+        return out
 
     def on_state_loaded(self, scaler):
         self.known_consecutive = scaler.state.host["consecutive_skips"]
         self._copy = None  # a copy in flight belongs to the state replaced
+        self._scale_copies = []
+        self.steps_at_floor = 0
         self._named_this_iteration.clear()
 
     def _raise_collapse(self, scaler: DynamicLossScaler) -> None:
-        names = ", ".join(self.resolve()) or "not recorded"
-        c = scaler.config
+        origin = scaler.overflow_origin or {}
         raise LossScaleCollapseError(
-            f"Loss scale collapsed: {self.known_consecutive} optimizer steps in a row were skipped "
-            f"for non-finite gradients (limit max_consecutive_skips={c.max_consecutive_skips}). "
-            f"Scale now {scaler.state['scale'].item():g}, floor min_scale={c.min_scale:g}, "
-            f"mode={c.mode!r}. Parameters with non-finite gradients: {names}. "
-            "The loss or activations are probably non-finite already in FP32 (check the data, the "
-            "learning rate, or an FP16 overflow in the forward pass), or the scale is pinned too high "
+            collapse_message(scaler, self.known_consecutive, self.resolve()),
+            origin=origin.get("origin"),
+            kind=origin.get("kind"),
+            nonfinite_loss_steps=scaler.state["consecutive_nonfinite_loss"].item(),
+        )
+
+
+def collapse_message(scaler: DynamicLossScaler, consecutive: int, params: list[str]) -> str:
+    """The collapse error's text: the diagnosed origin first, then what the counters say, then the
+    parameters with non-finite gradients (detail). Reads the device (only when it fires)."""
+    c = scaler.config
+    nonfinite_loss = min(scaler.state["consecutive_nonfinite_loss"].item(), consecutive)
+    origin = scaler.overflow_origin or {}
+    if origin.get("kind") == "forward":
+        lead = (
+            f"Forward overflow in `{origin['origin']}`: its output is non-finite in FP16 while its inputs "
+            "are finite, so no loss scale can help. Run it in FP32: fp32_modules=['"
+            f"{origin['origin']}'] (--loss_scale_fp32_modules / HF_LOSSSCALE_FP32_MODULES), or 'auto'. "
+        )
+    elif origin.get("kind") == "backward":
+        lead = (
+            f"Backward overflow starting in `{origin['origin']}`: its input gradient is non-finite while "
+            "its output gradient is finite. "
+        )
+    else:
+        lead = ""
+    names = ", ".join(params) or "not recorded"
+    kinds = (
+        f"{nonfinite_loss} of them with a non-finite loss (forward overflow: the scale was left alone), "
+        f"{consecutive - nonfinite_loss} with non-finite gradients only"
+    )
+    return (
+        f"{lead}Loss scale collapsed: {consecutive} optimizer steps in a row were skipped ({kinds}; "
+        f"limit max_consecutive_skips={c.max_consecutive_skips}). "
+        f"Scale now {scaler.state['scale'].item():g}, floor min_scale={c.min_scale:g}, "
+        f"mode={c.mode!r}. Parameters with non-finite gradients: {names}. "
+        + (
+            ""
+            if lead
+            else "The loss or activations are probably non-finite already in FP32 (check the data, the "
+            "learning rate), an FP16 overflow in the forward pass (the Trainer's overflow events name its "
+            "origin; `hf-lossscale preflight` finds it before training), or the scale is pinned too high "
             "(static mode / min_scale)."
         )
+    )
 
 
 def default_observers(scaler: DynamicLossScaler) -> list[ScalerObserver]:

@@ -29,8 +29,20 @@ FIELDS: dict[str, torch.dtype] = {
     "skipped_steps": torch.int64,
     "consecutive_skips": torch.int64,
     "last_step_skipped": torch.bool,
+    # steps skipped because the loss itself was non-finite (a forward overflow), and how many in a row
+    "nonfinite_loss_steps": torch.int64,
+    "consecutive_nonfinite_loss": torch.int64,
 }
-_COUNTERS = ("_hysteresis_tracker", "total_steps", "skipped_steps", "consecutive_skips")
+_COUNTERS = (
+    "_hysteresis_tracker",
+    "total_steps",
+    "skipped_steps",
+    "consecutive_skips",
+    "nonfinite_loss_steps",
+    "consecutive_nonfinite_loss",
+)
+#: Keys a state written before they existed lacks: they load as 0.
+_ADDED_LATER = ("nonfinite_loss_steps", "consecutive_nonfinite_loss")
 _CONFIG_KEYS = ("growth_factor", "backoff_factor", "growth_interval")  # GradScaler writes these too
 
 
@@ -50,6 +62,8 @@ class ScalerState:
     def __init__(self, config: LossScaleConfig) -> None:
         self.host: dict[str, Any] = self.initial(config)
         self.tensors: dict[str, torch.Tensor] | None = None
+        #: Module names `fp32_modules="auto"` moved to FP32 in this run (kept in the checkpoint).
+        self.fp32_modules: list[str] = []
 
     @staticmethod
     def initial(config: LossScaleConfig) -> dict[str, Any]:
@@ -82,6 +96,7 @@ class ScalerState:
     def reset(self, config: LossScaleConfig) -> None:
         """Back to a fresh state for `config`, on the same device if there is one."""
         self.host = self.initial(config)
+        self.fp32_modules = []
         if self.tensors is not None:
             self.materialise(self.device)
 
@@ -101,6 +116,7 @@ class ScalerState:
             **{key: getattr(config, key) for key in _CONFIG_KEYS},
             **{key: values[key] for key in FIELDS if key != "scale"},
             "config": config.to_dict(),
+            "fp32_modules": list(self.fp32_modules),
             "format": STATE_FORMAT,
             "format_version": STATE_FORMAT_VERSION,
         }
@@ -113,6 +129,8 @@ class ScalerState:
         their own scale. A malformed state raises `ValueError` naming the missing or wrong keys.
         """
         state = validate_state_dict(state_dict)
+        #: Modules `fp32_modules="auto"` moved to FP32 in the run that wrote the state.
+        self.fp32_modules = state.pop("fp32_modules")
         _warn_config_differs(state.pop("config", None), state_dict, config)
         state["scale"] = _scale_for(config, state["scale"])
         if state["_hysteresis_tracker"] is None or state["_hysteresis_tracker"] > config.hysteresis:
@@ -126,7 +144,8 @@ def _warn_config_differs(
     saved: dict[str, Any] | None, state_dict: dict[str, Any], config: LossScaleConfig
 ) -> None:
     if saved is not None:
-        differing = sorted(k for k, v in saved.items() if getattr(config, k, v) != v)
+        current = config.to_dict()
+        differing = sorted(k for k, v in saved.items() if current.get(k, v) != v)
         if differing:
             warnings.warn(
                 "Loaded loss-scaler state was written with a different config; the current one "
@@ -177,7 +196,11 @@ def validate_state_dict(state_dict: Any) -> dict[str, Any]:
             "fresh scaler on purpose, do not load it."
         )
     ours = state_dict.get("format") == STATE_FORMAT
-    required = (*FIELDS, *_CONFIG_KEYS, "config") if ours else ("scale", "_growth_tracker")
+    required = (
+        tuple(k for k in (*FIELDS, *_CONFIG_KEYS, "config") if k not in _ADDED_LATER)
+        if ours
+        else ("scale", "_growth_tracker")
+    )
     missing = [k for k in required if k not in state_dict]
     if missing:
         kind = "hf_lossscale" if ours else "torch.amp.GradScaler"
@@ -193,7 +216,7 @@ def validate_state_dict(state_dict: Any) -> dict[str, Any]:
     ints = ("_growth_tracker", *_COUNTERS) if ours else ("_growth_tracker",)
     values: dict[str, Any] = {}
     for key in ints:
-        v = state_dict[key]
+        v = state_dict.get(key, 0)
         if isinstance(v, torch.Tensor) and v.numel() == 1:
             v = v.item()
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
@@ -201,6 +224,9 @@ def validate_state_dict(state_dict: Any) -> dict[str, Any]:
         values[key] = v
     if ours and not isinstance(state_dict["last_step_skipped"], bool):
         wrong.append(f"last_step_skipped={state_dict['last_step_skipped']!r} (need a bool)")
+    fp32_modules = state_dict.get("fp32_modules", [])
+    if not isinstance(fp32_modules, (list, tuple)) or not all(isinstance(m, str) for m in fp32_modules):
+        wrong.append(f"fp32_modules={fp32_modules!r} (need a list of module names)")
     config = None
     if ours:
         try:
@@ -218,4 +244,5 @@ def validate_state_dict(state_dict: Any) -> dict[str, Any]:
     }
     if config is not None:
         out["config"] = config
+    out["fp32_modules"] = list(fp32_modules) if isinstance(fp32_modules, (list, tuple)) else []
     return out

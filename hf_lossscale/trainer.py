@@ -21,9 +21,11 @@ from .callbacks import (
     FlushedFractionCallback,
     LossScaleEventLogCallback,
     OverflowDiagnosisCallback,
+    PreflightCallback,
 )
 from .config import LossScaleConfig, resolve_config
 from .events import EVENT_LOG_NAME
+from .fp32_modules import run_in_fp32
 from .loss_normalisation import fix_loss_normalisation
 from .scaler import DynamicLossScaler
 
@@ -49,6 +51,11 @@ ARG_TO_FIELD = {
     "loss_scale_max_consecutive_skips": "max_consecutive_skips",
     "loss_scale_fp16_on_cpu": "fp16_on_cpu",
     "loss_scale_telemetry_interval": "telemetry_interval",
+    "loss_scale_backoff_on_nonfinite_loss": "backoff_on_nonfinite_loss",
+    "loss_scale_fp32_modules": "fp32_modules",
+    "loss_scale_max_auto_fp32_modules": "max_auto_fp32_modules",
+    "loss_scale_at_min_scale": "at_min_scale",
+    "loss_scale_floor_event_steps": "floor_event_steps",
 }
 
 logger = logging.getLogger(__name__)
@@ -111,6 +118,44 @@ class LossScaleTrainingArguments(TrainingArguments):
         metadata={
             "help": "Gradient exponent histograms every N optimizer steps, logged as grad_zero_frac, "
             "grad_subnormal_frac, headroom_bits (default 100; 0 disables)."
+        },
+    )
+    loss_scale_backoff_on_nonfinite_loss: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Back the scale off on a step whose loss is non-finite too (torch's rule; default False: "
+            "a forward overflow leaves the scale alone)."
+        },
+    )
+    loss_scale_fp32_modules: str | None = field(
+        default=None,
+        metadata={
+            "help": "Comma-separated module-name patterns that run in FP32 (outside autocast); 'auto' adds "
+            "each module diagnosed as the origin of a forward overflow (default: none, plus the model's own "
+            "_keep_in_fp32_modules)."
+        },
+    )
+    loss_scale_max_auto_fp32_modules: int | None = field(
+        default=None, metadata={"help": "The most modules fp32_modules='auto' adds in one run (default 8)."}
+    )
+    loss_scale_at_min_scale: str | None = field(
+        default=None,
+        metadata={
+            "help": "After max_consecutive_skips skips in a row: 'raise' (default), 'warn' (keep skipping) or "
+            "'clamp' (at the floor, clamp the non-finite gradients and step)."
+        },
+    )
+    loss_scale_floor_event_steps: int | None = field(
+        default=None,
+        metadata={
+            "help": "Event when the scale sits at its floor this many steps in a row (default 100; 0: off)."
+        },
+    )
+    loss_scale_preflight: bool = field(
+        default=False,
+        metadata={
+            "help": "Before the first step, run `hf-lossscale preflight` on the first batch (FP32 passes): "
+            "warn with the table of modules that would overflow in FP16 or come within 2 bits of it."
         },
     )
     loss_scale_activation_probe: bool = field(
@@ -309,6 +354,8 @@ class LossScaleMixin:
             # Before the event log: its end measurement comes before `run_end`.
             self.add_callback(FlushedFractionCallback(self, self.loss_scale_events))
         self.add_callback(self.loss_scale_events)
+        if getattr(args, "loss_scale_preflight", False):
+            self.add_callback(PreflightCallback(self, self.loss_scale_events))
         self.add_callback(OverflowDiagnosisCallback(self, self.loss_scale_events))
         if getattr(args, "loss_scale_activation_probe", False):
             self.activation_probe = ActivationProbeCallback(self)
@@ -349,6 +396,7 @@ class LossScaleMixin:
             skipped = stats["skipped_steps"] - last_skipped
             logs["loss_scale"] = stats["loss_scale"]
             logs["skipped_steps"] = stats["skipped_steps"]
+            logs["nonfinite_loss_steps"] = stats["nonfinite_loss_steps"]
             logs["overflow_rate"] = skipped / steps if steps > 0 else 0.0
             # 1.0 when FP16 was emulated on the CPU: such figures are not GPU measurements.
             logs["fp16_emulated"] = float(getattr(self.accelerator, "hf_lossscale_fp16", "") == "emulated")
@@ -406,6 +454,10 @@ class LossScaleMixin:
             scaler.load_state_dict(state)
         except ValueError as err:
             return self._no_scaler_state(f"Invalid loss-scaler state in {path}: {err}")
+        if scaler.state.fp32_modules:  # what "auto" moved to FP32 before the checkpoint stays there
+            run_in_fp32(
+                self.accelerator.unwrap_model(self.model), scaler.state.fp32_modules, include_model_own=False
+            )
         # `overflow_rate` counts from the checkpoint on, as the uninterrupted run does.
         stats = scaler.stats()
         self._last_logged_counts = (stats["total_steps"], stats["skipped_steps"])

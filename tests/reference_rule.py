@@ -16,19 +16,30 @@ class ReferenceScaler:
     total_steps: int = 0
     skipped_steps: int = 0
     consecutive_skips: int = 0
+    nonfinite_loss_steps: int = 0
+    consecutive_nonfinite_loss: int = 0
 
     def __post_init__(self) -> None:
         self.scale = 1.0 if self.config.mode == "off" else self.config.init_scale
         self.hysteresis_tracker = self.config.hysteresis
 
-    def update(self, overflow: bool) -> None:
+    def update(self, overflow: bool, loss_nonfinite: bool = False) -> None:
+        """One iteration: `overflow` (the step was skipped), `loss_nonfinite` (a loss of it was
+        non-finite: the step is skipped whatever the gradients hold)."""
         c = self.config
         self.total_steps += 1
         if c.mode == "off":
             return
+        overflow = overflow or loss_nonfinite
         self.skipped_steps += overflow
         self.consecutive_skips = self.consecutive_skips + 1 if overflow else 0
+        self.nonfinite_loss_steps += loss_nonfinite
+        self.consecutive_nonfinite_loss = self.consecutive_nonfinite_loss + 1 if loss_nonfinite else 0
         if c.mode == "static":
+            return
+        if loss_nonfinite and not c.backoff_on_nonfinite_loss:
+            # The spec (LossScaleConfig.backoff_on_nonfinite_loss): a forward overflow, which no
+            # scale can fix, leaves the scale and both trackers as they were.
             return
         if overflow:
             self.growth_tracker = 0

@@ -65,7 +65,9 @@ def test_cpu_fp16_install_before_or_after_prepare(order, optimizer, fp16_on_cpu)
         assert skipped == acc_skipped == (step == 2)  # right with the fused optimizer too
         assert unchanged == (step == 2)
     st = scaler.stats()
-    assert (st["total_steps"], st["skipped_steps"], st["loss_scale"]) == (5, 1, 2.0**9)
+    # the injected overflow is in the loss (a forward overflow): skipped and counted, the scale kept
+    assert (st["total_steps"], st["skipped_steps"], st["loss_scale"]) == (5, 1, 2.0**10)
+    assert st["nonfinite_loss_steps"] == 1
 
 
 def test_clip_sees_unscaled_gradients():

@@ -80,6 +80,9 @@ def test_ddp_through_accelerate(ranks):
     assert d0["history"] == d1["history"] and d0["params"] == d1["params"]
     assert [h["skipped"] for h in d0["history"]] == [False, False, True, False]
     assert d0["history"][2]["unchanged"]
+    # rank 1's loss was non-finite (a forward overflow): every rank spares the scale, not only rank 1
+    # (the loss flag is all-reduced; without it rank 0 backed off and the scales drifted apart)
+    assert d0["history"][2]["scale"] == d0["history"][1]["scale"] == d1["history"][2]["scale"]
 
 
 def test_scaler_state_round_trips_through_distributed_checkpoint(ranks):

@@ -49,6 +49,7 @@ def cases(draw):
     )
     return {
         "mode": draw(st.sampled_from(["dynamic", "static"])),
+        "backoff_on_nonfinite_loss": draw(st.booleans()),
         "hysteresis": draw(st.integers(1, 3)),
         "init_exp": draw(st.integers(0, 20)),
         "growth_interval": draw(st.integers(1, 3)),
@@ -105,6 +106,7 @@ def run_case(case):
         hysteresis=case["hysteresis"],
         growth_interval=case["growth_interval"],
         max_consecutive_skips=None,
+        backoff_on_nonfinite_loss=case["backoff_on_nonfinite_loss"],
     )
     scaler = DynamicLossScaler(config)
     reference = ReferenceScaler(config)
@@ -131,7 +133,7 @@ def run_case(case):
             if k not in faulty:
                 control_opts[k].step()
         scaler.update()
-        reference.update(bool(faulty))
+        reference.update(bool(faulty), loss_nonfinite=fault is not None and fault.where == "loss")
         TALLY["steps"] += 1
         if fault is not None:
             TALLY["faults"] += 1
@@ -153,6 +155,8 @@ def run_case(case):
             "total_steps": reference.total_steps,
             "skipped_steps": reference.skipped_steps,
             "consecutive_skips": reference.consecutive_skips,
+            "nonfinite_loss_steps": reference.nonfinite_loss_steps,
+            "consecutive_nonfinite_loss": reference.consecutive_nonfinite_loss,
         }
         assert {k: stats[k] for k in expected} == expected, (step, stats, expected)
         if case["mode"] == "dynamic":

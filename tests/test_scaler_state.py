@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_lossscale import DynamicLossScaler
+from hf_lossscale import DynamicLossScaler, LossScaleConfig
 from hf_lossscale.scaler_observers import ScalerObserver
 from hf_lossscale.scaler_state import FIELDS, ScalerState
 
@@ -16,8 +16,11 @@ OLD_STATE = Path(__file__).parent / "data" / "scaler_state_v1.pt"
 
 
 def _iteration(scaler, model, opt, overflow: bool) -> None:
-    loss = model(torch.randn(3, 4)).pow(2).mean() * (float("inf") if overflow else 1.0)
+    """One step; `overflow` puts an inf in a gradient (a backward overflow: the loss stays finite)."""
+    loss = model(torch.randn(3, 4)).pow(2).mean()
     scaler.scale(loss).backward()
+    if overflow:
+        model.weight.grad[0, 0] = float("inf")
     scaler.step(opt)
     scaler.update()
     opt.zero_grad()
@@ -32,12 +35,25 @@ def test_checkpoint_written_before_the_state_split_loads_and_continues():
     config = saved["state"]["config"]
     scaler = DynamicLossScaler(**config)
     scaler.load_state_dict(saved["state"])
-    assert scaler.state_dict() == saved["state"]
+    written = scaler.state_dict()
+    # every key it had comes back unchanged; the config gains the fields added since, at their defaults
+    assert {k: v for k, v in written.items() if k in saved["state"] and k != "config"} == {
+        k: v for k, v in saved["state"].items() if k != "config"
+    }
+    assert written["config"] == {**LossScaleConfig().to_dict(), **saved["state"]["config"]}
+    # the keys added since load as a fresh run's
+    assert {k: written[k] for k in set(written) - set(saved["state"])} == {
+        "nonfinite_loss_steps": 0,
+        "consecutive_nonfinite_loss": 0,
+        "fp32_modules": [],
+    }
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for overflow, expected in zip(saved["next_overflows"], saved["stats_after"], strict=True):
         _iteration(scaler, model, opt, bool(overflow))
-        assert scaler.stats() == expected
+        stats = scaler.stats()
+        assert {k: stats[k] for k in expected} == expected
+        assert stats["nonfinite_loss_steps"] == 0  # its overflows are in the gradients, the loss is finite
 
 
 def test_state_fields_are_spelled_once():
@@ -52,7 +68,7 @@ def test_state_fields_are_spelled_once():
     state["total_steps"].add_(5)
     values = state.host_values()
     assert values == {**ScalerState.initial(LossScaleConfig(init_scale=8.0, hysteresis=3)), "total_steps": 5}
-    assert [type(v) for v in values.values()] == [float, int, int, int, int, int, bool]
+    assert [type(v) for v in values.values()] == [float, int, int, int, int, int, bool, int, int]
     written = state.state_dict(LossScaleConfig(init_scale=8.0, hysteresis=3))
     assert set(FIELDS) <= set(written)
 

@@ -54,7 +54,9 @@ def sft(tmp_path, tokenizer, bad_steps=(), resume=None, **kw):
     settings = dict(output_dir=str(tmp_path / "out"), fp16=True, max_steps=6, per_device_train_batch_size=4,
                     logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, max_length=32,
                     learning_rate=1e-3, lr_scheduler_type="linear", loss_scale_init=1024.0,
-                    loss_scale_growth_interval=2)  # fmt: skip
+                    loss_scale_growth_interval=2,
+                    # the injected overflow is in the loss; back off on it as torch does, to see the scale move
+                    loss_scale_backoff_on_nonfinite_loss=True)  # fmt: skip
     args = FP16SFTConfig(**{**settings, **kw})
     recorder = LrRecorder()
     trainer = Injecting(model=tiny_decoder(tokenizer), args=args, train_dataset=Dataset.from_dict({"text": TEXTS}),

@@ -1,0 +1,186 @@
+"""Where an FP16 overflow starts: `find_overflow_origin` replays a batch with module hooks.
+
+Two kinds, told apart because they need different fixes:
+
+- **forward**: the first module, in execution order, whose output is non-finite while its inputs are
+  finite. The loss is then non-finite and no loss scale can help: run that module in FP32
+  (`LossScaleConfig.fp32_modules`).
+- **backward**: the first module, in backward order, whose input gradient (or one of its own
+  parameters' gradients) is non-finite while its output gradient is finite. The scale is too high
+  for that module: the dynamic rule backs off, which is the fix.
+
+Nothing runs on clean steps: the diagnosis replays a batch that overflowed, with hooks on every
+module (one forward, and for a finite loss one backward that writes no `.grad`), reading a flag per
+module on the host. Dropout draws from a forked RNG, so training's random stream is untouched;
+buffers (running statistics) are restored afterwards. Imports only torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+__all__ = ["find_overflow_origin", "FP16_MAX"]
+
+FP16_MAX = 65504.0
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict) or hasattr(value, "values"):  # dicts, ModelOutput
+        try:
+            items = list(value.values())
+        except Exception:  # noqa: BLE001 - an object with an unrelated values()
+            return
+        for v in items:
+            yield from _tensors(v)
+
+
+def _floating(value: Any) -> list[torch.Tensor]:
+    return [t for t in _tensors(value) if t.is_floating_point()]
+
+
+def _is_fp16(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float16 or getattr(t, "_hf_fp16", False)
+
+
+def _finite(tensors: list[torch.Tensor]) -> bool:
+    with torch._C.DisableTorchFunction(), torch.no_grad():
+        return all(bool(torch.isfinite(t).all()) for t in tensors if t.numel())
+
+
+def _fits_fp16(tensors: list[torch.Tensor]) -> bool:
+    """Finite, and within FP16's range (a gradient of an FP16 tensor is FP16: beyond 65504 it is inf
+    in real FP16; the emulation rounds it one node later, so the range check keeps the two alike)."""
+    with torch._C.DisableTorchFunction(), torch.no_grad():
+        return all(bool((t.abs() <= FP16_MAX).all()) for t in tensors if t.numel())
+
+
+@contextlib.contextmanager
+def _preserved(model: torch.nn.Module) -> Iterator[None]:
+    """Fork the RNG (CPU and the model's CUDA devices) and restore the buffers afterwards."""
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    buffers = {n: b.detach().clone() for n, b in model.named_buffers()}
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for n, b in model.named_buffers():
+                    if n in buffers:
+                        b.copy_(buffers[n])
+
+
+def find_overflow_origin(
+    model: torch.nn.Module,
+    batches: list[Any],
+    loss_fn: Callable[[torch.nn.Module, Any], torch.Tensor],
+    *,
+    context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+    scale: float = 1.0,
+) -> dict[str, Any] | None:
+    """Replay `batches` (one optimizer step's micro-batches) through `model` under `context` (the FP16
+    compute: autocast or `fp16_emulation`) until one overflows; say where it starts.
+
+    Returns None when no batch overflows in the replay (a transient overflow, or one that depends on
+    the dropout mask), else a dict: `kind` (`"forward"` or `"backward"`), `origin` (the module name;
+    `""` for the model itself, e.g. a loss computed in its forward), `module_type`, `batch` (its index),
+    `loss_finite`, and for a backward overflow `scale` (the scale replayed) and `params` (the
+    origin's own parameters with non-finite gradients).
+
+    `loss_fn(model, batch)` returns the loss as training computes it (e.g. the Trainer's
+    `compute_loss`); the backward replays `loss * scale` without writing `.grad`.
+    """
+    names = {m: (n or "") for n, m in model.named_modules()}
+    for index, batch in enumerate(batches):
+        with _preserved(model):
+            found = _replay(model, names, batch, loss_fn, context, scale)
+        if found is not None:
+            return {**found, "batch": index}
+    return None
+
+
+def _replay(model, names, batch, loss_fn, context, scale):
+    forward: list[str] = []
+    out_fp16: dict[str, bool] = {}
+
+    def after_forward(module, args, kwargs, output):
+        name = names[module]
+        outs = _floating(output)
+        out_fp16[name] = any(_is_fp16(t) for t in outs)
+        if not forward and not _finite(outs) and _finite(_floating(args) + _floating(kwargs)):
+            forward.append(name)
+
+    handles = [m.register_forward_hook(after_forward, with_kwargs=True) for m in names]
+    try:
+        with context():
+            loss = loss_fn(model, batch)
+    finally:
+        for h in handles:
+            h.remove()
+    loss_finite = _finite(_floating(loss))
+    if forward:
+        return _result("forward", forward[0], names, loss_finite=loss_finite)
+    if not loss_finite:  # non-finite without a module to blame: the loss arithmetic outside the model
+        return {"kind": "forward", "origin": None, "module_type": None, "loss_finite": False}
+
+    order: list[tuple[str, bool, bool]] = []  # (module, output grad fits FP16, input grad finite)
+
+    def after_backward(module, grad_input, grad_output):
+        name = names[module]
+        outs = [g for g in grad_output if g is not None]
+        ins = [g for g in grad_input if g is not None]
+        out_ok = _finite(outs) and (not out_fp16.get(name) or _fits_fp16(outs))
+        order.append((name, out_ok, _finite(ins)))
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    with warnings.catch_warnings():
+        # modules none of whose inputs require grad (embeddings, the model itself) fire at their
+        # output's gradient; torch warns about it once per module
+        warnings.simplefilter("ignore", UserWarning)
+        handles = [m.register_full_backward_hook(after_backward) for m in names]
+        try:
+            with context():
+                loss = loss_fn(model, batch)
+                grads = torch.autograd.grad(loss.float() * scale, params, allow_unused=True)
+        except RuntimeError:  # a model that modifies module outputs in place refuses full hooks
+            order = []
+            with context():
+                loss = loss_fn(model, batch)
+                grads = torch.autograd.grad(loss.float() * scale, params, allow_unused=True)
+        finally:
+            for h in handles:
+                h.remove()
+    bad_params = {id(p) for p, g in zip(params, grads, strict=True) if g is not None and not _finite([g])}
+    if not bad_params:
+        return None
+    own_bad = {
+        names[m]: [
+            f"{names[m]}.{n}".lstrip(".") for n, p in m.named_parameters(recurse=False) if id(p) in bad_params
+        ]
+        for m in names
+    }
+    for name, out_ok, in_ok in order:
+        if out_ok and (not in_ok or own_bad.get(name)):
+            return {**_result("backward", name, names, loss_finite=True), "scale": scale,
+                    "params": own_bad.get(name, [])}  # fmt: skip
+    # no hook order (refused hooks) or nothing qualified: the last module in forward order whose own
+    # parameters hold non-finite gradients is where backward met them first
+    culprits = [n for n in names.values() if own_bad.get(n)]
+    if culprits:
+        return {**_result("backward", culprits[-1], names, loss_finite=True), "scale": scale,
+                "params": own_bad[culprits[-1]]}  # fmt: skip
+    return None
+
+
+def _result(kind: str, origin: str, names: dict, *, loss_finite: bool) -> dict[str, Any]:
+    module = next(m for m, n in names.items() if n == origin)
+    return {"kind": kind, "origin": origin, "module_type": type(module).__name__, "loss_finite": loss_finite}
