@@ -109,7 +109,8 @@ def preflight(
     `torch.autocast("cuda", float16)` on CUDA). Returns a dict: `modules` (per module: `act_max`,
     `act_margin_bits`, `grad_max`, `grad_min`, `grad_top_margin_bits`, `grad_bottom_margin_bits`,
     `status` in `overflows` / `near` / `ok`), `overflow_in_fp16` (the origins found by the FP16
-    replays, in order), `suggested_fp32_modules`, `suggested_init_scale`, `losses`.
+    replays, in order), `suggested_fp32_modules` (those origins without the ones inside another),
+    `suggested_init_scale`, `losses`.
     """
     if fp16_context is None:
         device = next(model.parameters()).device
@@ -161,10 +162,15 @@ def preflight(
         "margin_bits": margin_bits,
         "modules": modules,
         "overflow_in_fp16": origins,
-        "suggested_fp32_modules": [o["origin"] for o in origins if o.get("origin")],
+        "suggested_fp32_modules": _outermost([o["origin"] for o in origins if o.get("origin")]),
         "suggested_init_scale": init_scale,
         "grad_max": grad_max,
     }
+
+
+def _outermost(names: list[str]) -> list[str]:
+    """`names` without those inside another of them (a module in FP32 runs its children in FP32)."""
+    return [n for n in names if not any(n.startswith(o + ".") for o in names if o != n)]
 
 
 def _fp16_origins(model, batches, loss_fn, context, max_modules) -> list[dict[str, Any]]:

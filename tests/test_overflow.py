@@ -322,7 +322,10 @@ def test_preflight_finds_the_modules_auto_would_and_leaves_the_model_alone():
     result = preflight(model, [batch()], loss_fn)
     assert result["modules"][QUERY]["status"] == "overflows"
     assert result["modules"][QUERY]["act_margin_bits"] < 0
-    assert result["suggested_fp32_modules"] == [QUERY, "bert.encoder.layer.1.attention.self"]
+    assert [o["origin"] for o in result["overflow_in_fp16"]] == [QUERY, "bert.encoder.layer.1.attention.self"]
+    assert result["suggested_fp32_modules"] == [
+        "bert.encoder.layer.1.attention.self"
+    ]  # the query lies inside
     assert fp32_module_names(model) == []
     assert QUERY in format_preflight(result)
     _, plain = overflowing_bert()
@@ -473,8 +476,5 @@ def test_preflight_command_on_a_saved_checkpoint(tmp_path, capsys):
     )
     printed = capsys.readouterr().out
     assert "bert.encoder.layer.0.attention.self.query" in printed and "overflows" in printed
-    assert (
-        json.loads(out.read_text())["suggested_fp32_modules"][0]
-        == "bert.encoder.layer.0.attention.self.query"
-    )
+    assert json.loads(out.read_text())["suggested_fp32_modules"] == ["bert.encoder.layer.0.attention.self"]
     assert main(["preflight", "--model_name_or_path", str(tmp_path / "plain"), *common]) == 0
