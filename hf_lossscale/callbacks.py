@@ -16,7 +16,6 @@ trainer.add_callback(OverflowDiagnosisCallback(trainer, events))
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import time
@@ -28,7 +27,7 @@ from transformers import TrainerCallback
 
 from .accelerate_hook import effective_mixed_precision, plain_forward
 from .emulation import measure_flushed_fraction
-from .events import EVENT_LOG_NAME
+from .events import EVENT_LOG_NAME, append_event
 from .fp32_modules import fp32_module_names, run_in_fp32
 from .overflow import find_overflow_origin
 from .scaler import DynamicLossScaler, LossScaleCollapseError
@@ -92,8 +91,7 @@ class LossScaleEventLogCallback(TrainerCallback):
         if path is None:
             return
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(event) + "\n")
+        append_event(path, event)
 
     def _start(self, resumed: bool) -> None:
         self._started = True

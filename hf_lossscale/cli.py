@@ -88,6 +88,8 @@ def main(argv: list[str] | None = None) -> int:
 
         result = make_report(opts.run_dir, opts.output_dir)
         print(f"Wrote {', '.join(result['written'])} to {result['output_dir']}")
+        if result["skipped_lines"]:
+            print(f"Skipped {result['skipped_lines']} unreadable line(s) of the event log.")
         return 0
     if opts.command == "advise":
         from .advise import run

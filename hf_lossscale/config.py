@@ -32,6 +32,12 @@ AT_MIN_SCALE = ("raise", "warn", "clamp")
 #: The `fp32_modules` entry that lets a diagnosed forward overflow add its origin module.
 AUTO = "auto"
 
+#: The scales a config accepts: FP32's normal range, where a scale and its reciprocal are finite.
+SCALE_MIN = 2.0**-126
+SCALE_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max, spelled out: this module is torch-free
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+
 #: Per-field environment variables are ``HF_LOSSSCALE_<FIELD NAME IN CAPITALS>``.
 ENV_PREFIX = "HF_LOSSSCALE_"
 #: Environment variable naming a YAML or JSON config file.
@@ -182,6 +188,15 @@ class LossScaleConfig:
             value = getattr(self, name)
             if not _is_number(value) or not math.isfinite(value) or value <= 0:
                 raise ValueError(f"LossScaleConfig.{name}={value!r} must be a finite number > 0.")
+            if not (SCALE_MIN <= value <= SCALE_MAX):
+                # below FP32's smallest normal number the reciprocal used to unscale overflows to inf
+                # (clean gradients would unscale to inf and be stepped); above FP32's largest the scale
+                # itself is inf and every step is skipped
+                raise ValueError(
+                    f"LossScaleConfig.{name}={value!r} is outside FP32's normal range "
+                    f"[2**-126, FP32 max] = [{SCALE_MIN!r}, {SCALE_MAX!r}], where the scale and its "
+                    "reciprocal are both finite FP32 numbers."
+                )
             setattr(self, name, float(value))
         gf = self.growth_factor
         if not _is_number(gf) or not math.isfinite(gf) or gf <= 1:
@@ -195,21 +210,25 @@ class LossScaleConfig:
         self.backoff_factor = float(bf)
         for name in ("growth_interval", "hysteresis"):
             value = getattr(self, name)
-            if not _is_int(value) or value < 1:
-                raise ValueError(f"LossScaleConfig.{name}={value!r} must be an integer >= 1.")
+            if not _is_int(value) or not (1 <= value <= INT32_MAX):
+                # the trackers are int32 device tensors: beyond 2**31 - 1 the comparison wraps
+                raise ValueError(
+                    f"LossScaleConfig.{name}={value!r} must be an integer in [1, 2**31 - 1] "
+                    "(its tracker is an int32 on the device)."
+                )
         if not isinstance(self.consecutive_hysteresis, bool):
             raise ValueError(
                 f"LossScaleConfig.consecutive_hysteresis={self.consecutive_hysteresis!r} "
                 "must be True or False."
             )
         mcs = self.max_consecutive_skips
-        if mcs is not None and (not _is_int(mcs) or mcs < 1):
+        if mcs is not None and (not _is_int(mcs) or not (1 <= mcs <= INT64_MAX)):
             raise ValueError(
-                f"LossScaleConfig.max_consecutive_skips={mcs!r} must be an integer >= 1, "
+                f"LossScaleConfig.max_consecutive_skips={mcs!r} must be an integer in [1, 2**63 - 1], "
                 "or None to disable the collapse check."
             )
         ti = self.telemetry_interval
-        if not _is_int(ti) or ti < 0:
+        if not _is_int(ti) or not (0 <= ti <= INT64_MAX):
             raise ValueError(
                 f"LossScaleConfig.telemetry_interval={ti!r} must be an integer >= 0 (0 disables)."
             )
@@ -222,14 +241,14 @@ class LossScaleConfig:
             )
         self.fp32_modules = _module_patterns(self.fp32_modules)
         ma = self.max_auto_fp32_modules
-        if not _is_int(ma) or ma < 1:
+        if not _is_int(ma) or not (1 <= ma <= INT64_MAX):
             raise ValueError(f"LossScaleConfig.max_auto_fp32_modules={ma!r} must be an integer >= 1.")
         if not isinstance(self.at_min_scale, str) or self.at_min_scale not in AT_MIN_SCALE:
             raise ValueError(
                 f"LossScaleConfig.at_min_scale={self.at_min_scale!r} is not one of {AT_MIN_SCALE}."
             )
         fe = self.floor_event_steps
-        if not _is_int(fe) or fe < 0:
+        if not _is_int(fe) or not (0 <= fe <= INT64_MAX):
             raise ValueError(
                 f"LossScaleConfig.floor_event_steps={fe!r} must be an integer >= 0 (0 disables)."
             )

@@ -68,6 +68,10 @@ def _heatmap(ax, snapshots: list[dict[str, Any]], title: str) -> None:
     ax.set_title(title)
 
 
+_GRAD_KEYS = ("zero_frac", "subnormal_frac", "below_fp16_frac", "headroom_bits", "per_module")
+_ACT_KEYS = ("lost_frac", "headroom_bits")
+
+
 def make_report(run_dir: str | Path, output_dir: str | Path | None = None) -> dict[str, Any]:
     """Write `report.md` and the PNGs; return what was written and the figures used."""
     import matplotlib
@@ -81,7 +85,8 @@ def make_report(run_dir: str | Path, output_dir: str | Path | None = None) -> di
         raise FileNotFoundError(
             f"No {EVENT_LOG_NAME} in {run_dir}: is it the output_dir of a LossScaleTrainer run?"
         )
-    events = read_run_events(log)
+    skipped: list[int] = []
+    events = read_run_events(log, skipped)
     out = Path(output_dir) if output_dir is not None else run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     series = train_log_series(events)
@@ -90,6 +95,13 @@ def make_report(run_dir: str | Path, output_dir: str | Path | None = None) -> di
     end = next((e for e in reversed(events) if e.get("event") == "run_end"), None)
     grads = [e for e in events if e.get("event") == "telemetry" and e.get("source") == "param_grads"]
     acts = [e for e in events if e.get("event") == "telemetry" and e.get("source") == "activation_grads"]
+    # snapshots without the figures the summary reads count as unreadable too
+    usable = (
+        [e for e in grads if all(k in e for k in _GRAD_KEYS)],
+        [e for e in acts if all(k in e for k in _ACT_KEYS)],
+    )
+    skipped = [(skipped[0] if skipped else 0) + len(grads) + len(acts) - len(usable[0]) - len(usable[1])]
+    grads, acts = usable
     overflows = [e for e in events if e.get("event") == "overflow"]
     probes = [e for e in events if e.get("event") == "flushed_probe"]
     errors = [e for e in events if e.get("event") == "error"]
@@ -125,6 +137,9 @@ def make_report(run_dir: str | Path, output_dir: str | Path | None = None) -> di
             written.append(name)
 
     lines = [f"# Loss-scaling report: `{run_dir}`", ""]
+    if skipped and skipped[0]:
+        lines += [f"- **{skipped[0]} unreadable line(s) of {EVENT_LOG_NAME} skipped** (a crash mid-write, "
+                  "or lines missing the fields their event needs)"]  # fmt: skip
     if start:
         lines += [
             f"- precision: {start.get('mixed_precision')}, FP16: {start.get('fp16') or '—'}, "
@@ -166,9 +181,11 @@ def make_report(run_dir: str | Path, output_dir: str | Path | None = None) -> di
     if overflows:
         lines += ["", "## Skipped steps diagnosed", ""]
         for e in overflows:
+            where = (f"{e['kind']} overflow starting in `{e['origin']}`; " if e.get("origin") is not None
+                     else (f"{e['kind']} overflow; " if e.get("kind") else ""))  # fmt: skip
             lines.append(
-                f"- step {e['step']}: non-finite gradients in {', '.join(e['modules']) or '(not found)'}"
-                f" ({e['n_params']} tensors); loss non-finite: {e['loss_nonfinite']}; scale after: "
+                f"- step {e['step']}: {where}non-finite gradients in {', '.join(e['modules']) or '(not found)'}"
+                f" ({e['n_params']} tensors); loss non-finite: {e.get('loss_nonfinite')}; scale after: "
                 f"{e['loss_scale_after']:g}"
             )
     if probes:
@@ -182,6 +199,7 @@ def make_report(run_dir: str | Path, output_dir: str | Path | None = None) -> di
     return {
         "output_dir": str(out),
         "written": written,
+        "skipped_lines": skipped[0] if skipped else 0,
         "telemetry_snapshots": len(grads),
         "overflows": len(overflows),
     }

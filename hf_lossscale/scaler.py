@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ._gradnorm import total_norm
-from .config import LossScaleConfig
+from .config import SCALE_MAX, SCALE_MIN, LossScaleConfig
 from .scaler_observers import (
     LossScaleCollapseError,
     ParameterNames,
@@ -641,7 +641,13 @@ class DynamicLossScaler:
                 raise ValueError("new_scale must be a float or a 1-element tensor without grad.")
             self._scale.copy_(new_scale.reshape(()))
         else:
-            self._scale.fill_(float(new_scale))
+            value = float(new_scale)
+            if not (SCALE_MIN <= value <= SCALE_MAX):
+                raise ValueError(
+                    f"update(new_scale={new_scale!r}): need a number in FP32's normal range [2**-126, FP32 max], "
+                    "where the scale and its reciprocal are finite."
+                )
+            self._scale.fill_(value)
 
     # ------------------------------------------------------------------ observers
     def _before_step(self, optimizer: torch.optim.Optimizer, skipped: bool | None) -> None:

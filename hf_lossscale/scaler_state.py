@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from .config import LossScaleConfig
+from .config import INT32_MAX, INT64_MAX, SCALE_MAX, SCALE_MIN, LossScaleConfig
 
 __all__ = ["FIELDS", "STATE_FORMAT", "STATE_FORMAT_VERSION", "ScalerState", "validate_state_dict"]
 
@@ -196,6 +196,20 @@ def validate_state_dict(state_dict: Any) -> dict[str, Any]:
             "fresh scaler on purpose, do not load it."
         )
     ours = state_dict.get("format") == STATE_FORMAT
+    if ours and state_dict.get("format_version", STATE_FORMAT_VERSION) != STATE_FORMAT_VERSION:
+        raise ValueError(
+            f"Loss-scaler state has format_version={state_dict.get('format_version')!r}; this hf_lossscale "
+            f"reads version {STATE_FORMAT_VERSION} (written by a newer release?)."
+        )
+    if not ours and "format" in state_dict:
+        raise ValueError(f"Loss-scaler state has an unknown format={state_dict['format']!r}.")
+    dropped = sorted(k for k in FIELDS if k not in ("scale", "_growth_tracker") and k in state_dict)
+    if not ours and dropped:
+        warnings.warn(
+            f"Loss-scaler state without a `format` key but with {dropped}: loaded as a torch.amp.GradScaler "
+            "state (scale and growth tracker only); those counters are dropped.",
+            stacklevel=4,
+        )
     required = (
         tuple(k for k in (*FIELDS, *_CONFIG_KEYS, "config") if k not in _ADDED_LATER)
         if ours
@@ -211,16 +225,24 @@ def validate_state_dict(state_dict: Any) -> dict[str, Any]:
     scale = state_dict["scale"]
     if isinstance(scale, torch.Tensor) and scale.numel() == 1:
         scale = scale.item()
-    if not isinstance(scale, (int, float)) or isinstance(scale, bool) or not (0 < scale < float("inf")):
-        wrong.append(f"scale={scale!r} (need a finite number > 0)")
+    if (
+        not isinstance(scale, (int, float))
+        or isinstance(scale, bool)
+        or not (SCALE_MIN <= scale <= SCALE_MAX)
+    ):
+        wrong.append(f"scale={scale!r} (need a number in FP32's normal range [2**-126, FP32 max])")
     ints = ("_growth_tracker", *_COUNTERS) if ours else ("_growth_tracker",)
     values: dict[str, Any] = {}
     for key in ints:
         v = state_dict.get(key, 0)
         if isinstance(v, torch.Tensor) and v.numel() == 1:
             v = v.item()
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            wrong.append(f"{key}={v!r} (need an integer >= 0)")
+        limit = INT32_MAX if FIELDS[key] is torch.int32 else INT64_MAX
+        if not isinstance(v, int) or isinstance(v, bool) or not (0 <= v <= limit):
+            bits = 32 if limit == INT32_MAX else 64
+            wrong.append(
+                f"{key}={v!r} (need an integer in [0, 2**{bits - 1} - 1]: an int{bits} on the device)"
+            )
         values[key] = v
     if ours and not isinstance(state_dict["last_step_skipped"], bool):
         wrong.append(f"last_step_skipped={state_dict['last_step_skipped']!r} (need a bool)")

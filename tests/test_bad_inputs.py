@@ -21,12 +21,18 @@ FIELDS = [
     ("growth_factor", math.nan, "> 1"),
     ("backoff_factor", 0.0, "(0, 1)"), ("backoff_factor", 1.0, "(0, 1)"), ("backoff_factor", 1.5, "(0, 1)"),
     ("backoff_factor", -0.5, "(0, 1)"),
-    ("growth_interval", 0, ">= 1"), ("growth_interval", -3, ">= 1"), ("growth_interval", 2.5, "integer"),
+    ("growth_interval", 0, "[1, 2**31 - 1]"), ("growth_interval", -3, "[1, 2**31 - 1]"),
+    ("growth_interval", 2.5, "integer"),
+    # the int32 tracker would wrap and grow the scale on every step (issue 30)
+    ("growth_interval", 2**31, "[1, 2**31 - 1]"), ("hysteresis", 2**31, "[1, 2**31 - 1]"),
+    # a reciprocal that overflows (clean gradients unscaled to inf, then stepped) or an inf scale
+    ("init_scale", 2.0**-130, "FP32's normal range"), ("min_scale", 2.0**-149, "FP32's normal range"),
+    ("max_scale", 1e39, "FP32's normal range"), ("max_consecutive_skips", 2**63, "[1, 2**63 - 1]"),
     ("growth_interval", True, "integer"), ("growth_interval", "10", "integer"),
-    ("hysteresis", 0, ">= 1"), ("hysteresis", "2", "integer"), ("hysteresis", 1.0, "integer"),
+    ("hysteresis", 0, "[1, 2**31 - 1]"), ("hysteresis", "2", "integer"), ("hysteresis", 1.0, "integer"),
     ("consecutive_hysteresis", "yes", "True or False"), ("consecutive_hysteresis", 1, "True or False"),
-    ("max_consecutive_skips", 0, ">= 1"), ("max_consecutive_skips", 1.5, "integer"),
-    ("max_consecutive_skips", -1, ">= 1"),
+    ("max_consecutive_skips", 0, "[1, 2**63 - 1]"), ("max_consecutive_skips", 1.5, "integer"),
+    ("max_consecutive_skips", -1, "[1, 2**63 - 1]"),
     ("fp16_on_cpu", "fast", "one of"), ("fp16_on_cpu", None, "one of"),
 ]  # fmt: skip
 

@@ -126,3 +126,39 @@ def test_flushed_probe_measures_the_first_batch_at_the_initial_weights(tmp_path)
     assert start["relative_grad_error"] == pytest.approx(expected["relative_grad_error"], rel=1e-6)
     assert [r["when"] for r in probe.results] == ["start", "end"]
     assert not torch.equal(trainer.model.classifier.weight, initial["classifier.weight"])  # it trained
+
+
+def test_event_log_survives_a_crash_mid_write_and_bad_lines(tmp_path, capsys):
+    """Issue 30: a resumed run's first line is not glued onto a cut one, and the readers skip (and
+    count) blank, binary, non-object and field-less lines instead of stopping with a traceback. Bugs
+    caught: "line N is not JSON" from `report`, a KeyError on an event without `step`."""
+    import json
+
+    from hf_lossscale.cli import main
+    from hf_lossscale.events import append_event, read_events_counted, read_run_events
+
+    run = tmp_path / "run"
+    run.mkdir()
+    log = run / "loss_scale_log.jsonl"
+    good = [
+        {"event": "run_start", "resumed": False},
+        {"event": "log", "step": 1, "loss": 2.0, "loss_scale": 1024.0, "skipped_steps": 0},
+    ]
+    log.write_text("".join(json.dumps(e) + "\n" for e in good) + '{"event": "log", "step": 2, "lo')  # cut
+    append_event(log, {"event": "log", "step": 2, "loss": 1.5, "loss_scale": 1024.0, "skipped_steps": 0})
+    with open(log, "ab") as f:
+        f.write(b"\n")  # blank
+        f.write(b"[1, 2]\n")  # not an object
+        f.write(b'{"event": "log", "loss": 9.0}\n')  # no step
+        f.write(b'{"event": "telemetry", "step": 3}\n')  # no counts
+        f.write(b"\xff\xfe\x00binary\n")  # not UTF-8
+    append_event(log, {"event": "log", "step": 3, "loss": 1.0, "loss_scale": 1024.0, "skipped_steps": 0})
+    events, skipped = read_events_counted(log)
+    assert [e.get("step") for e in events if e["event"] == "log"] == [1, 2, 3]
+    assert skipped == 6  # the cut line and the five bad ones
+    assert len(read_run_events(log)) == 4
+    assert main(["report", str(run)]) == 0
+    assert "Skipped 6 unreadable line(s)" in capsys.readouterr().out
+    assert "**6 unreadable line(s)" in (run / "report" / "report.md").read_text()
+    (run / "loss_scale_log.jsonl").write_bytes(bytes(range(256)) * 4)  # a binary file: nothing readable
+    assert read_events_counted(log) == ([], 4)
