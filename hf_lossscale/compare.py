@@ -17,8 +17,10 @@ import math
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
@@ -27,6 +29,7 @@ from typing import Any
 
 from . import verdict
 from .events import read_new_events, read_run_events, train_log_series
+from .files import DirectoryLock, LockedError, atomic_write_text
 
 __all__ = ["SETTINGS", "RunResult", "run_comparison", "add_compare_arguments", "split_script_args"]
 
@@ -231,21 +234,48 @@ def run_one(
     offset = 0
     with open(log_path, "w") as log:
         proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        while True:
-            done = proc.poll() is not None
-            events, offset = read_new_events(events_path, offset)  # only what was appended
-            for event in events:
-                line = _progress(result, event, opts.max_steps)
-                if line:
-                    print(line, flush=True)
-            if done:
-                break
-            time.sleep(0.5)
+        _CHILDREN.add(proc)
+        try:
+            while True:
+                done = proc.poll() is not None
+                events, offset = read_new_events(events_path, offset)  # only what was appended
+                for event in events:
+                    line = _progress(result, event, opts.max_steps)
+                    if line:
+                        print(line, flush=True)
+                if done:
+                    break
+                time.sleep(0.5)
+        finally:
+            _CHILDREN.discard(proc)
+            _stop(proc)
     result.wall_s = time.perf_counter() - start
     result.returncode = proc.returncode
     record = {"command": command, "returncode": proc.returncode, "wall_s": result.wall_s}
-    record_path.write_text(json.dumps(record, indent=1))
+    atomic_write_text(record_path, json.dumps(record, indent=1))
     return _finish(result, events_path, log_path)
+
+
+#: The training processes running now: stopped when the runner is interrupted or terminated.
+_CHILDREN: set[subprocess.Popen] = set()
+
+
+def _stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """Terminate a child still running (SIGTERM, then SIGKILL after `grace_s`)."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _on_signal(signum, frame):
+    for proc in list(_CHILDREN):
+        _stop(proc)
+    raise SystemExit(128 + signum)
 
 
 def _finished_with(record_path: Path, command: list[str]) -> bool:
@@ -291,6 +321,10 @@ def _mean(values: list[float]) -> float:
 def summarize(results: list[RunResult], opts: argparse.Namespace) -> dict[str, Any]:
     """Per-setting aggregates, the paired verdicts and the statements `summary.md` makes, all from
     `results` (the rules: `hf_lossscale.verdict.RULES`)."""
+    # a run that did not finish (a crash half-way) enters no verdict: its last mid-run evaluation is not
+    # a final one. A collapse is an outcome (the scaler stopped the run): it stays, as "incomplete".
+    left_out = [r for r in results if r.status == "failed"]
+    results = [r for r in results if r.status != "failed"]
     records = [asdict(r) for r in results]
     by_setting: dict[str, list[RunResult]] = {}
     for r in results:
@@ -308,6 +342,8 @@ def summarize(results: list[RunResult], opts: argparse.Namespace) -> dict[str, A
     fp32 = rows.get("fp32")
     statements = []
     floor = verdict.paired_verdict(records, "dynamic") if "dynamic" in rows and fp32 else None
+    if fp32 is None and any(setting != "fp32" for setting in rows):
+        statements.append("No verdict: no FP32 run finished, so there is no baseline to compare with.")
     for setting, row in rows.items():
         if setting == "fp32" or fp32 is None:
             continue
@@ -370,7 +406,20 @@ def summarize(results: list[RunResult], opts: argparse.Namespace) -> dict[str, A
                 f"{SETTINGS['static']} {scale_text(opts.static_scale)} (seed {r.seed}): skipped {r.skipped_steps} of "
                 f"{r.total_steps or opts.max_steps} optimizer steps."
             )
-    return {"rows": rows, "statements": statements, "rules": list(verdict.RULES.values())}
+    for r in left_out:
+        reason = (r.error or "").strip().splitlines()
+        statements.append(
+            f"Left out of every verdict: {SETTINGS[r.setting]} seed {r.seed} ({r.status}"
+            + (f", exit {r.returncode}" if r.returncode not in (0, None) else "")
+            + (f": {reason[-1][:200]}" if reason else "")
+            + "); it did not finish, so its last evaluation is no final one."
+        )
+    return {
+        "rows": rows,
+        "statements": statements,
+        "rules": list(verdict.RULES.values()),
+        "left_out": [{"setting": r.setting, "seed": r.seed, "status": r.status} for r in left_out],
+    }
 
 
 def _gaps(gaps: list[float]) -> str:
@@ -540,7 +589,7 @@ def write_summary(
         "",
     ]
     text = "\n".join(lines)
-    (out / "summary.md").write_text(text)
+    atomic_write_text(out / "summary.md", text)
     return text
 
 
@@ -728,6 +777,24 @@ def run_comparison(opts: argparse.Namespace) -> tuple[list[RunResult], dict[str,
     validate(opts)
     out = Path(opts.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    try:
+        lock = DirectoryLock(out, what="another hf-lossscale compare").__enter__()
+    except LockedError as err:
+        raise SystemExit(str(err)) from None
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():  # SIGTERM/SIGINT stop the children too
+        handlers = {sig: signal.signal(sig, _on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return _run_comparison(opts, out)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        for proc in list(_CHILDREN):
+            _stop(proc)
+        lock.__exit__(None, None, None)
+
+
+def _run_comparison(opts: argparse.Namespace, out: Path) -> tuple[list[RunResult], dict[str, Any]]:
     opts.command_line = getattr(opts, "command_line", None) or "hf_lossscale.compare.run_comparison(...)"
     plan = [(setting, seed) for seed in opts.seeds for setting in opts.settings
             if seed == opts.seeds[0] or setting not in opts.first_seed_only]  # fmt: skip
@@ -744,7 +811,7 @@ def run_comparison(opts: argparse.Namespace) -> tuple[list[RunResult], dict[str,
         "summary": summary,
         "plots": plots,
     }
-    (out / "metrics.json").write_text(json.dumps(payload, indent=2, default=str))
+    atomic_write_text(out / "metrics.json", json.dumps(payload, indent=2, default=str))
     print(text)
     print(f"Wrote {out / 'summary.md'}, {out / 'metrics.json'}, " + ", ".join(str(out / p) for p in plots))
     return results, summary

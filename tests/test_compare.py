@@ -261,3 +261,44 @@ def test_following_a_log_reads_only_what_was_appended(tmp_path):
         f.write('}\n{"event": "c"}\n')
     events, offset = read_new_events(path, offset)
     assert [e["event"] for e in events] == ["b", "c"] and read_new_events(path, offset) == ([], offset)
+
+
+def test_a_crashed_run_enters_no_verdict():
+    """Issue 30: FP32 at seed 1 crashed half-way with a mid-run eval of 6.9; with it as the baseline the
+    off setting's gaps flip sign and the verdict reads "no measurable difference". Bug caught: the
+    partial eval used as a final one. The summary names the run it left out."""
+    results = [result("fp32", s, 6.0 + 0.1 * s) for s in (0, 2, 3)]
+    results += [result("off", s, v) for s, v in enumerate((6.10, 6.21, 6.31, 6.42))]  # gaps 0.10-0.12
+    results.append(result("fp32", 1, 6.9, status="failed", error="Traceback ...\nRuntimeError: killed"))
+    summary = summarize(results, opts(seeds=[0, 1, 2, 3]))
+    assert summary["rows"]["off"]["paired"]["seeds"] == [0, 2, 3]
+    assert summary["rows"]["off"]["verdict"] == "worse"
+    assert summary["left_out"] == [{"setting": "fp32", "seed": 1, "status": "failed"}]
+    assert any("Left out of every verdict: FP32 seed 1 (failed" in s and "RuntimeError: killed" in s
+               for s in summary["statements"])  # fmt: skip
+
+
+def test_one_runner_per_output_dir_and_atomic_files(tmp_path):
+    """Issue 30: a second runner on a folder in use is refused by name (it would delete a run being
+    written); a lock left by a dead process is taken over; writes replace whole files."""
+    import os
+    import subprocess
+    import sys
+
+    from hf_lossscale.files import DirectoryLock, LockedError, atomic_write_text
+
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        (tmp_path / DirectoryLock.NAME).write_text(str(holder.pid))
+        with pytest.raises(LockedError, match=f"process {holder.pid}"):
+            DirectoryLock(tmp_path, what="another hf-lossscale compare").__enter__()
+    finally:
+        holder.kill()
+        holder.wait()
+    with DirectoryLock(tmp_path):  # the owner is gone: taken over
+        assert (tmp_path / DirectoryLock.NAME).read_text() == str(os.getpid())
+    assert not (tmp_path / DirectoryLock.NAME).exists()
+    target = tmp_path / "summary.md"
+    atomic_write_text(target, "old")
+    atomic_write_text(target, "new")
+    assert target.read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["summary.md"]

@@ -251,3 +251,59 @@ def test_streams_of_other_settings_merge_too(tmp_path):
         result["run_command"] = f"python benchmarks/reproduce/run.py b --seeds {seed}"
         run.merge_results(path, result)
     assert sorted(r["setting"] for r in json.loads(path.read_text())["runs"]) == ["dynamic", "fp32", "off"]
+
+
+def test_merged_reproduction_command_keeps_every_argument():
+    """Issue 30: merging seed streams rewrote the command by cutting at `--seeds`, dropping
+    `--max_steps 30` after it and everything after `--`. Bug caught: the published command
+    reproducing another run than the one made."""
+    run = load("run")
+    command = "python benchmarks/reproduce/run.py sst2 --seeds 1 --max_steps 30 -- --learning_rate 1e-4"
+    assert run.with_seeds(command, [0, 1, 2]) == (
+        "python benchmarks/reproduce/run.py sst2 --seeds 0 1 2 --max_steps 30 -- --learning_rate 1e-4"
+    )
+    assert (
+        run.with_seeds("python run.py sst2 -- --seeds 7", [0]) == "python run.py sst2 --seeds 0 -- --seeds 7"
+    )
+
+
+def test_terminating_the_runner_stops_its_child(tmp_path):
+    """Issue 30: `kill -TERM` of `hf-lossscale compare` orphaned the training process it had started.
+    Bug caught: a child left running (and writing into a folder the next runner deletes)."""
+    import os
+    import signal
+    import time
+
+    script = tmp_path / "sleepy.py"
+    pidfile = tmp_path / "child.pid"
+    script.write_text(
+        f"import os, time\nopen({str(pidfile)!r}, 'w').write(str(os.getpid()))\ntime.sleep(120)\n"
+    )
+    runner = subprocess.Popen(
+        [sys.executable, "-m", "hf_lossscale.cli", "compare", str(script), "--settings", "fp32", "--seeds", "0",
+         "--max_steps", "1", "--output_dir", str(tmp_path / "out")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    deadline = time.time() + 60
+    while not pidfile.exists() and time.time() < deadline:
+        time.sleep(0.2)
+    assert pidfile.exists(), "the runner never started its child"
+    time.sleep(0.5)
+    child = int(pidfile.read_text())
+    runner.send_signal(signal.SIGTERM)
+    assert runner.wait(60) != 0
+    time.sleep(0.5)
+    try:
+        os.kill(child, 0)
+        alive = True
+    except ProcessLookupError:
+        alive = False
+    if alive:  # a zombie the test's process does not own reads as alive: check its state
+        state = (
+            Path(f"/proc/{child}/stat").read_text().split()[2]
+            if Path(f"/proc/{child}/stat").exists()
+            else "X"
+        )
+        alive = state not in ("Z", "X")
+    assert not alive
+    assert not (tmp_path / "out" / ".hf_lossscale.lock").exists()

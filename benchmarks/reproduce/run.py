@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from hf_lossscale.files import atomic_write_text
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 RESULTS = HERE / "results"
@@ -306,13 +308,28 @@ def merge_results(path: Path, result: dict) -> Path:
             result["runs"] = sorted(kept + result["runs"], key=lambda r: (r["seed"], r["setting"]))
             result["wall_s"] += old.get("wall_s", 0.0)
             seeds = sorted({r["seed"] for r in result["runs"]})
-            result["run_command"] = result["run_command"].split(" --seeds")[0] + (
-                " --seeds " + " ".join(map(str, seeds))
-            )
+            result["run_command"] = with_seeds(result["run_command"], seeds)
         elif old is not None:
             print(f"{path}: its runs came from another configuration; replacing them.")
-        path.write_text(json.dumps(result, indent=1) + "\n")
+        atomic_write_text(path, json.dumps(result, indent=1) + "\n")
     return path
+
+
+def with_seeds(command: str, seeds: list[int]) -> str:
+    """`command` with its `--seeds` values replaced by `seeds` (added if absent); every other word,
+    those after `--` included, kept in place."""
+    words = shlex.split(command)
+    cut = words.index("--") if "--" in words else len(words)
+    own, rest = words[:cut], words[cut:]
+    if "--seeds" in own:
+        i = own.index("--seeds")
+        j = i + 1
+        while j < len(own) and not own[j].startswith("--"):
+            j += 1
+        own[i + 1 : j] = map(str, seeds)
+    else:
+        own += ["--seeds", *map(str, seeds)]
+    return shlex.join(own + rest)
 
 
 def machine() -> str:
