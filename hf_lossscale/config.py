@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,12 +48,45 @@ ENV_CONFIG_FILE = "HF_LOSSSCALE_CONFIG"
 ENV_NOT_CONFIG = ("HF_LOSSSCALE_DATA", "HF_LOSSSCALE_REQUIRE_DATA", "HF_LOSSSCALE_CHECK_LOCK")
 
 
+def _is_bool(value: Any) -> bool:
+    kind = type(value)
+    return isinstance(value, bool) or (kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"))
+
+
 def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integer: Python's or numpy's (`numbers.Integral`), not a bool."""
+    return isinstance(value, numbers.Integral) and not _is_bool(value)
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    """A real number: Python's or numpy's (`numbers.Real`), not a bool."""
+    return isinstance(value, numbers.Real) and not _is_bool(value)
+
+
+def _number_hint(value: Any) -> str:
+    """For a string that reads as a number: YAML 1.1 (PyYAML) reads `1e4` as a string."""
+    if isinstance(value, str):
+        try:
+            float(value)
+        except ValueError:
+            return ""
+        return (
+            f" It is the string {value!r}: YAML (PyYAML, YAML 1.1) reads exponents without a dot or sign "
+            "such as 1e4 as strings; write 1.0e+4 or 10000."
+        )
+    return ""
+
+
+def _normalise_numbers(config: Any) -> None:
+    """numpy scalars (and other `numbers` types) as plain Python ints and floats, before validation."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if _is_bool(value) and not isinstance(value, bool):
+            setattr(config, f.name, bool(value))
+        elif _is_int(value) and type(value) is not int:
+            setattr(config, f.name, int(value))
+        elif _is_number(value) and not isinstance(value, (int, float)):
+            setattr(config, f.name, float(value))
 
 
 @dataclass
@@ -182,12 +216,15 @@ class LossScaleConfig:
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         """Check every field; raise `ValueError` naming the field, the value and the allowed range."""
+        _normalise_numbers(self)
         if not isinstance(self.mode, str) or self.mode not in MODES:
             raise ValueError(f"LossScaleConfig.mode={self.mode!r} is not one of {MODES}.")
         for name in ("init_scale", "min_scale", "max_scale"):
             value = getattr(self, name)
             if not _is_number(value) or not math.isfinite(value) or value <= 0:
-                raise ValueError(f"LossScaleConfig.{name}={value!r} must be a finite number > 0.")
+                raise ValueError(
+                    f"LossScaleConfig.{name}={value!r} must be a finite number > 0.{_number_hint(value)}"
+                )
             if not (SCALE_MIN <= value <= SCALE_MAX):
                 # below FP32's smallest normal number the reciprocal used to unscale overflows to inf
                 # (clean gradients would unscale to inf and be stepped); above FP32's largest the scale
@@ -200,12 +237,14 @@ class LossScaleConfig:
             setattr(self, name, float(value))
         gf = self.growth_factor
         if not _is_number(gf) or not math.isfinite(gf) or gf <= 1:
-            raise ValueError(f"LossScaleConfig.growth_factor={gf!r} must be a finite number > 1.")
+            raise ValueError(
+                f"LossScaleConfig.growth_factor={gf!r} must be a finite number > 1.{_number_hint(gf)}"
+            )
         self.growth_factor = float(gf)
         bf = self.backoff_factor
         if not _is_number(bf) or not (0 < bf < 1):
             raise ValueError(
-                f"LossScaleConfig.backoff_factor={bf!r} must be a number in the open interval (0, 1)."
+                f"LossScaleConfig.backoff_factor={bf!r} must be a number in the open interval (0, 1).{_number_hint(bf)}"
             )
         self.backoff_factor = float(bf)
         for name in ("growth_interval", "hysteresis"):
@@ -403,17 +442,53 @@ def read_config_file(path: str | os.PathLike, what: str = "loss-scale config") -
     """Parse a YAML or JSON file; errors name the file."""
     path = Path(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except OSError as err:
         raise ValueError(f"Cannot read {what} file {str(path)!r}: {err}") from None
+    except UnicodeDecodeError:
+        raise ValueError(
+            f"Cannot read {what} file {str(path)!r}: it is not UTF-8 text (a binary file?)."
+        ) from None
     try:
         if path.suffix == ".json":
-            return json.loads(text)
-        import yaml
-
-        return yaml.safe_load(text)
+            return json.loads(text, object_pairs_hook=_no_duplicates)
+        return _yaml_load(text)
+    except _DuplicateKey as err:
+        raise ValueError(f"{what} file {str(path)!r}: key {err.args[0]!r} is given twice.") from None
     except Exception as err:  # yaml.YAMLError / json.JSONDecodeError
         raise ValueError(f"Cannot parse {what} file {str(path)!r}: {err}") from None
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def _yaml_load(text: str) -> Any:
+    """`yaml.safe_load`, refusing a mapping that gives a key twice (PyYAML keeps the last silently)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader, node, deep=False):
+        loader.flatten_mapping(node)
+        pairs = [
+            (loader.construct_object(k, deep=deep), loader.construct_object(v, deep=deep))
+            for k, v in node.value
+        ]
+        return _no_duplicates(pairs)
+
+    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    return yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader subclass
 
 
 # ---------------------------------------------------------------------- layered resolution

@@ -29,7 +29,8 @@ def plot_scale(ax, steps: list[int], scales: list[float | None], skipped_at: lis
     if not points:
         return False
     ax.step(*zip(*points, strict=True), where="post", **style)
-    marks = [(s, v) for s, v in points if s in set(skipped_at)]
+    skipped = set(skipped_at)  # once, not per point: linear in the points
+    marks = [(s, v) for s, v in points if s in skipped]
     if marks:
         ax.scatter(*zip(*marks, strict=True), marker="x", color=style.get("color", "red"), zorder=3)
     ax.set_yscale("log", base=2)

@@ -146,6 +146,13 @@ class DataTrainingArguments:
             "help": "Comma-separated metrics (default: accuracy; CoLA: matthews_correlation; MRPC/QQP: +f1)."
         },
     )
+    allow_remote_metrics: bool = field(
+        default=False,
+        metadata={
+            "help": "Let a --metric_names entry with no local module in --metrics_dir be fetched from the Hub by "
+            "evaluate.load, which downloads and runs its script (off by default, as trust_remote_code is)."
+        },
+    )
     metrics_dir: str = field(
         default=str(METRICS_DIR),
         metadata={"help": "Folder of local metric modules (a Hub id is used otherwise)."},
@@ -305,6 +312,17 @@ def build_metrics(data: DataTrainingArguments, num_labels: int):
     modules = {}
     for name in (n.strip() for n in names):
         local = Path(data.metrics_dir) / name
+        if not local.is_dir() and not data.allow_remote_metrics:
+            shipped = (
+                sorted(p.name for p in Path(data.metrics_dir).iterdir() if p.is_dir())
+                if Path(data.metrics_dir).is_dir()
+                else []
+            )
+            raise ValueError(
+                f"--metric_names {name!r}: no local metric module {local}. Fetching it would download and run "
+                f"a script from the Hub (evaluate.load); pass --allow_remote_metrics true to allow that. "
+                f"Metrics shipped locally: {shipped}."
+            )
         modules[name] = evaluate.load(str(local) if local.is_dir() else name)
 
     def compute_metrics(prediction):

@@ -179,3 +179,20 @@ def test_glob_train_file_and_missing_file(tmp_path):
     data.train_file = str(tmp_path / "nope.tsv")
     with pytest.raises(FileNotFoundError, match="--train_file .*nope.tsv"):
         load_raw_datasets(data, ModelArguments("m"))
+
+
+def test_a_metric_without_a_local_module_is_not_fetched_from_the_hub(tmp_path, monkeypatch):
+    """Issue 30: `evaluate.load(name)` for an unknown metric downloads and runs a script from the Hub.
+    Bug caught: remote code run without the user asking; the error names the flag and what ships."""
+    module = load_recipe("text_classification")
+    files = glue_files("sst2", tmp_path)
+    calls = []
+    monkeypatch.setattr(module.evaluate, "load", lambda what, *a, **k: calls.append(what) or object())
+    data = _data_args(module, "sst2", files, metric_names="accuracy,bleurt")
+    with pytest.raises(ValueError, match=r"'bleurt'.*--allow_remote_metrics true.*\['accuracy'"):
+        module.build_metrics(data, 2)
+    assert calls == [str(module.METRICS_DIR / "accuracy")]  # the local one only; nothing fetched
+    calls.clear()
+    data = _data_args(module, "sst2", files, metric_names="accuracy,bleurt", allow_remote_metrics=True)
+    module.build_metrics(data, 2)
+    assert calls == [str(module.METRICS_DIR / "accuracy"), "bleurt"]  # asked for: allowed
