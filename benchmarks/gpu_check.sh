@@ -18,7 +18,8 @@
 #      (benchmarks/gpu_check.py);
 #   3. the clip table and the step overhead with absolute times (benchmarks/step_overhead.py);
 #   4. the demo comparison (FP32 / FP16 dynamic / static / off) with real CUDA FP16 on MiniLM-L6;
-#   5. the same at 400 optimizer steps instead of the demo's own horizon.
+#   5. the same at 400 optimizer steps instead of the demo's own horizon;
+#   6. what one module in FP32 (the forward-overflow remedy) costs on MiniLM-L6 (benchmarks/fp32_module_cost.py).
 # Without a GPU every CUDA step says "skipped: no GPU"; nothing is reported as passed that did not run.
 # GPU_CHECK_TIME_SCALE=N (default 1) multiplies every time box: for a slow or loaded machine that
 # runs the script for its logic (tests/test_benchmarks.py), never on the lent GPU machine.
@@ -109,9 +110,13 @@ if [ "$CUDA" = 1 ]; then
   step "5. demo, 400 steps (40x longer)" 90 "$PY" -m hf_lossscale.demo --output_dir /tmp/demo-long --max_steps 400 --jobs 5 --no_underflow_map "${model_args[@]}"
   cp /tmp/demo-long/summary.md "$OUT/demo_long_summary.md" 2>/dev/null
   cp /tmp/demo-long/metrics.json "$OUT/demo_long_metrics.json" 2>/dev/null
+  # What one module in FP32 (the forward-overflow remedy) costs where FP32 runs without tensor cores.
+  step "6. one module in FP32: memory and time on CUDA" 30 "$PY" benchmarks/fp32_module_cost.py --repeats 20 \
+    --out "$OUT/fp32_module_cost.json" ${MINILM_PATH:+--model "$MINILM_PATH"}
 else
   skip "1. CUDA tests"; skip "2. emulation vs CUDA autocast"; skip "3. clip table and step overhead"
   skip "4. demo with real CUDA FP16"; skip "5. demo, 400 steps (40x longer)"
+  skip "6. one module in FP32: memory and time on CUDA"
 fi
 echo "== done in $SECONDS s: status $status; files in $OUT: $(ls "$OUT" | tr '\n' ' ') =="
 exit $status
