@@ -175,3 +175,42 @@ def test_underflow_map_smoke(tmp_path):
         rows = json.loads((out / f"underflow_{objective}.json").read_text())["rows"]
         assert len(rows) == 2 and all(not r["at_settled"]["overflow"] for r in rows)
     assert (out / "underflow.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_fp32_module_cost_smoke(tmp_path):
+    """The table's rows exist, memory is counted (the baseline holds activations), ratios are
+    against the baseline in the same process. Bug caught: a setting that wraps nothing (its memory
+    would equal the baseline's)."""
+    result = load("fp32_module_cost").main(["--repeats", "2", "--batch", "1", "--seq", "8",
+                                             "--out", str(tmp_path / "c.json")])  # fmt: skip
+    rows = result["settings"]
+    assert list(rows) == ["none", "attention block", "query projection"]
+    assert rows["none"]["saved_bytes"] > 0 and rows["none"]["memory_ratio"] == 1.0
+    assert rows["attention block"]["saved_bytes"] != rows["none"]["saved_bytes"]
+    assert json.loads((tmp_path / "c.json").read_text())["settings"]["query projection"]["modules"] == [
+        "encoder.layer.3.attention.self.query"
+    ]
+
+
+def test_many_tensors_smoke(tmp_path):
+    result = load("many_tensors").main(
+        ["--tensors", "300", "--repeats", "2", "--out", str(tmp_path / "m.json")]
+    )
+    assert set(result["rows"]) == {"torch GradScaler", "DynamicLossScaler (names resolved)"}
+
+
+def test_forward_overflow_rescaling_keeps_the_fp32_function_bitwise():
+    """The benchmark's claim: multiplying the query by 2^k and dividing the key by 2^k changes no
+    FP32 value the model computes. Bug caught: a non-power-of-two factor, or scaling the bias of one
+    and not the other (logits would move)."""
+    import torch
+    from tiny_models import tiny_bert_classifier
+
+    model = tiny_bert_classifier(0).eval()
+    ids = torch.randint(5, 100, (3, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+        name = load("forward_overflow").rescale_attention(model, 1, 16)
+        after = model(input_ids=ids).logits
+    assert name == "bert.encoder.layer.1.attention.self.query"
+    assert torch.equal(before, after)
