@@ -29,7 +29,7 @@ from .accelerate_hook import effective_mixed_precision, plain_forward
 from .emulation import measure_flushed_fraction
 from .events import EVENT_LOG_NAME, append_event
 from .fp32_modules import fp32_module_names, run_in_fp32
-from .overflow import find_overflow_origin
+from .overflow import display_origin, find_overflow_origin
 from .scaler import DynamicLossScaler, LossScaleCollapseError
 from .telemetry import ActivationGradientProbe, module_key
 
@@ -365,14 +365,14 @@ def _describe(event: dict[str, Any]) -> str:
     where = ", ".join(event["modules"][:5]) or "(none found: a fused kernel may have consumed them)"
     if event["kind"] == "forward":
         lead = (
-            f"FORWARD overflow in `{event['origin']}` ({event['module_type']}): its output is non-finite in "
+            f"FORWARD overflow in {display_origin(event['origin'])} ({event['module_type']}): its output is non-finite in "
             "FP16 with finite inputs, so the loss is non-finite and no loss scale can help; run it in FP32 "
             "(fp32_modules, or 'auto')"
             if event["origin"] is not None
             else "the loss itself was non-finite (a forward overflow; no module to blame was found)"
         )
     elif event["origin"] is not None:
-        lead = f"backward overflow starting in `{event['origin']}` ({event['module_type']}) at this scale"
+        lead = f"backward overflow starting in {display_origin(event['origin'])} ({event['module_type']}) at this scale"
     else:
         lead = "non-finite gradients"
     return f"{lead}; non-finite gradients in {where}"

@@ -24,9 +24,17 @@ from typing import Any
 
 import torch
 
-__all__ = ["find_overflow_origin", "FP16_MAX"]
+__all__ = ["find_overflow_origin", "display_origin", "FP16_MAX"]
 
 FP16_MAX = 65504.0
+
+
+def display_origin(origin: str | None) -> str:
+    """A module name for a message: `""` (the model itself: a loss or head computed in its own forward,
+    outside its submodules) and None (not found) spelled out."""
+    if origin is None:
+        return "(no module found)"
+    return f"`{origin}`" if origin else "the model's own forward (outside its submodules)"
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:

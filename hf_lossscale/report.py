@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .events import EVENT_LOG_NAME, read_run_events, train_log_series
+from .overflow import display_origin
 from .telemetry import BUCKETS, MAX_EXP, MIN_EXP, bucket_index
 
 __all__ = ["add_report_arguments", "make_report"]
@@ -182,7 +183,7 @@ def make_report(run_dir: str | Path, output_dir: str | Path | None = None) -> di
     if overflows:
         lines += ["", "## Skipped steps diagnosed", ""]
         for e in overflows:
-            where = (f"{e['kind']} overflow starting in `{e['origin']}`; " if e.get("origin") is not None
+            where = (f"{e['kind']} overflow starting in {display_origin(e['origin'])}; " if e.get("origin") is not None
                      else (f"{e['kind']} overflow; " if e.get("kind") else ""))  # fmt: skip
             lines.append(
                 f"- step {e['step']}: {where}non-finite gradients in {', '.join(e['modules']) or '(not found)'}"

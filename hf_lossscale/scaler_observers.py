@@ -316,16 +316,23 @@ def collapse_message(scaler: DynamicLossScaler, consecutive: int, params: list[s
     c = scaler.config
     nonfinite_loss = min(scaler.state["consecutive_nonfinite_loss"].item(), consecutive)
     origin = scaler.overflow_origin or {}
-    if origin.get("kind") == "forward":
-        lead = (
-            f"Forward overflow in `{origin['origin']}`: its output is non-finite in FP16 while its inputs "
-            "are finite, so no loss scale can help. Run it in FP32: fp32_modules=['"
-            f"{origin['origin']}'] (--loss_scale_fp32_modules / HF_LOSSSCALE_FP32_MODULES), or 'auto'. "
+    name = origin.get("origin")
+    where = "the model's own forward (outside its submodules)" if name == "" else f"`{name}`"
+    if origin.get("kind") == "forward" and name is not None:
+        remedy = (
+            f"Run it in FP32: fp32_modules=['{name}'] (--loss_scale_fp32_modules / HF_LOSSSCALE_FP32_MODULES), "
+            "or 'auto'. "
+            if name
+            else "Compute the loss (or the head) in FP32, or run the model's last modules in FP32. "
         )
-    elif origin.get("kind") == "backward":
         lead = (
-            f"Backward overflow starting in `{origin['origin']}`: its input gradient is non-finite while "
-            "its output gradient is finite. "
+            f"Forward overflow in {where}: its output is non-finite in FP16 while its inputs are finite, so no "
+            f"loss scale can help. {remedy}"
+        )
+    elif origin.get("kind") == "backward" and name is not None:
+        lead = (
+            f"Backward overflow starting in {where}: its input gradient is non-finite while its output "
+            "gradient is finite. "
         )
     else:
         lead = ""

@@ -184,9 +184,14 @@ def test_report_end_to_end(tmp_path):
         assert (out / name).read_bytes()[:4] == b"\x89PNG"
     text = (out / "report.md").read_text()
     assert "8 optimizer steps, 2 skipped" in text
+    # the injected inf in a weight's gradient: a backward overflow, named where it starts
     assert (
-        "step 4: non-finite gradients in bert.encoder.layer.1" in text and "| bert.encoder.layer.1 |" in text
+        "step 4: backward overflow starting in `bert.encoder.layer.1.output.dense`; non-finite gradients in "
+        "bert.encoder.layer.1" in text
     )
+    assert "| bert.encoder.layer.1 |" in text
+    # the poisoned loss (computed in the model's own forward): a forward overflow there
+    assert "step 6: forward overflow starting in the model's own forward" in text
     with pytest.raises(FileNotFoundError, match="No loss_scale_log.jsonl"):
         main(["report", str(tmp_path)])
 
