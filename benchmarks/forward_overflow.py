@@ -21,6 +21,11 @@ Paired verdicts of `auto` against `fp32` (eval accuracy and loss, 3 seeds) by th
 
     python benchmarks/forward_overflow.py [--steps 150] [--seeds 0 1 2] [--out benchmarks/results/forward_overflow.json]
 
+As parallel one-thread streams, one per seed, then merged:
+
+    for s in 0 1 2; do OMP_NUM_THREADS=1 python benchmarks/forward_overflow.py --seeds $s --out /tmp/fo$s.json & done; wait
+    python benchmarks/forward_overflow.py --merge /tmp/fo0.json /tmp/fo1.json /tmp/fo2.json
+
 FP16 is emulated on this CPU (`fp16_emulation`); on a GPU the same script runs real autocast.
 """
 
@@ -211,6 +216,30 @@ def summarise(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _write(out: Path, result: dict) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(result, indent=2, default=str) + "\n")
+    tmp.replace(out)
+
+
+def merge(paths: list[str], out: Path) -> dict:
+    """One result from per-seed streams (the same checkpoint build; runs concatenated, seed order)."""
+    parts = [json.loads(Path(p).read_text()) for p in paths]
+    first = parts[0]
+    for part in parts[1:]:
+        if part["checkpoint"] != first["checkpoint"]:
+            raise SystemExit(
+                f"{paths}: the streams built different checkpoints; rerun them with the same options."
+            )
+    result = {**first, "runs": sorted((r for p in parts for r in p["runs"]), key=lambda r: (r["seed"], r["setting"])),
+              "command": [p["command"] for p in parts]}  # fmt: skip
+    result["table"] = summarise(result)
+    print(result["table"])
+    _write(out, result)
+    return result
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -225,8 +254,11 @@ def main(argv: list[str] | None = None) -> dict:
         "--workdir", default=None, help="Where checkpoints and runs go (default: a temp dir)."
     )
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "forward_overflow.json"))
+    parser.add_argument("--merge", nargs="+", default=None, metavar="JSON",
+                        help="Merge per-seed result files (streams run with --seeds N --out F) into --out.")  # fmt: skip
     opts = parser.parse_args(argv)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    if opts.merge:
+        return merge(opts.merge, Path(opts.out))
     work = Path(opts.workdir or tempfile.mkdtemp(prefix="forward_overflow_"))
     checkpoint = work / "checkpoint"
     built = build_checkpoint(checkpoint, opts.layer, opts.headroom_bits)
@@ -258,11 +290,7 @@ def main(argv: list[str] | None = None) -> dict:
               "preflight_table": flight_text, "runs": runs, "command": " ".join([sys.argv[0], *(argv or sys.argv[1:])])}  # fmt: skip
     result["table"] = summarise(result)
     print(result["table"])
-    out = Path(opts.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(result, indent=2, default=str) + "\n")
-    tmp.replace(out)
+    _write(Path(opts.out), result)
     return result
 
 

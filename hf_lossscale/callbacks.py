@@ -207,6 +207,7 @@ class OverflowDiagnosisCallback(TrainerCallback):
         self.events: list[dict[str, Any]] = []
         self._loss_nonfinite: torch.Tensor | None = None
         self._batches: list[tuple[tuple, dict]] = []
+        self._replaying = False  # the replay's own forwards are not batches to keep
         self._handles: list[Any] = []
 
     def _watch_loss(self, module, args, output):
@@ -216,7 +217,7 @@ class OverflowDiagnosisCallback(TrainerCallback):
             self._loss_nonfinite = bad if self._loss_nonfinite is None else self._loss_nonfinite | bad
 
     def _take_batch(self, module, args, kwargs):
-        if module.training and torch.is_grad_enabled():
+        if module.training and torch.is_grad_enabled() and not self._replaying:
             self._batches.append((args, kwargs))  # references only: replayed if the step is skipped
 
     def on_train_begin(self, args, state, control, **kwargs):
@@ -313,13 +314,17 @@ class OverflowDiagnosisCallback(TrainerCallback):
                 return out["loss"] if isinstance(out, dict) else out[0]
             return self.trainer.compute_loss(m, inputs)
 
+        self._replaying = True  # else each replayed forward would add a batch to the list being replayed
         try:
+            batches = list(self._batches)
             return find_overflow_origin(
-                model, self._batches, loss_fn, context=context, scale=self._step_scale(scaler)
+                model, batches, loss_fn, context=context, scale=self._step_scale(scaler)
             )
         except Exception as err:  # noqa: BLE001 - a diagnosis must never stop training
             logger.warning("hf_lossscale: the overflow diagnosis failed (%s: %s)", type(err).__name__, err)
             return None
+        finally:
+            self._replaying = False
 
     def _move_to_fp32(
         self, scaler: DynamicLossScaler, model: torch.nn.Module, origin: str, step: int

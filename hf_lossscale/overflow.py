@@ -108,7 +108,7 @@ def find_overflow_origin(
     `compute_loss`); the backward replays `loss * scale` without writing `.grad`.
     """
     names = {m: (n or "") for n, m in model.named_modules()}
-    for index, batch in enumerate(batches):
+    for index, batch in enumerate(list(batches)):  # a snapshot: the replay must not see batches it adds
         with _preserved(model):
             found = _replay(model, names, batch, loss_fn, context, scale)
         if found is not None:

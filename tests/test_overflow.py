@@ -478,3 +478,48 @@ def test_preflight_command_on_a_saved_checkpoint(tmp_path, capsys):
     assert "bert.encoder.layer.0.attention.self.query" in printed and "overflows" in printed
     assert json.loads(out.read_text())["suggested_fp32_modules"] == ["bert.encoder.layer.0.attention.self"]
     assert main(["preflight", "--model_name_or_path", str(tmp_path / "plain"), *common]) == 0
+
+
+def test_transient_overflow_is_reported_as_not_reproduced_and_replays_are_not_kept(tmp_path):
+    """A gradient overflow the replay cannot reproduce (one bad step, gone in the replay): the event
+    says so and training goes on. Bug caught: the replay's own forwards captured as batches of the
+    step, so a replay that finds nothing replays the batches it just added, forever."""
+    from hf_lossscale import LossScaleTrainer, LossScaleTrainingArguments
+    from hf_lossscale.callbacks import OverflowDiagnosisCallback
+    from hf_lossscale.events import read_events
+
+    class Transient(LossScaleTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            if self.state.global_step == 1:  # the second optimizer step's micro-batches only
+                model.classifier.weight.grad.fill_(float("inf"))
+            return loss
+
+    _, plain = overflowing_bert()
+    targs = LossScaleTrainingArguments(
+        str(tmp_path), fp16=True, max_steps=3, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+        report_to=[], save_strategy="no", disable_tqdm=True, logging_steps=1,
+    )  # fmt: skip
+    trainer = Transient(model=plain, args=targs, train_dataset=tiny_classification_dataset())
+    diagnosis = next(
+        c for c in trainer.callback_handler.callbacks if isinstance(c, OverflowDiagnosisCallback)
+    )
+    seen = []
+    original = diagnosis._diagnose
+
+    def counting(model, scaler):
+        seen.append(len(diagnosis._batches))
+        found = original(model, scaler)
+        seen.append(len(diagnosis._batches))
+        return found
+
+    diagnosis._diagnose = counting
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    assert seen == [2, 2]  # the step's two micro-batches, before and after the replay
+    overflow = [e for e in read_events(tmp_path / "loss_scale_log.jsonl") if e["event"] == "overflow"]
+    assert (
+        len(overflow) == 1 and overflow[0]["origin"] is None and "not reproduced" in overflow[0]["diagnosis"]
+    )
+    assert trainer.loss_scaler.stats()["total_steps"] == 3
