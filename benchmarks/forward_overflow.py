@@ -232,7 +232,11 @@ def merge(paths: list[str], out: Path) -> dict:
             raise SystemExit(
                 f"{paths}: the streams built different checkpoints; rerun them with the same options."
             )
-    result = {**first, "runs": sorted((r for p in parts for r in p["runs"]), key=lambda r: (r["seed"], r["setting"])),
+    order = {"fp32": 0, "dynamic": 1, "auto": 2}
+    runs = sorted(
+        (r for p in parts for r in p["runs"]), key=lambda r: (r["seed"], order.get(r["setting"], 3))
+    )
+    result = {**first, "runs": runs,
               "command": [p["command"] for p in parts]}  # fmt: skip
     result["table"] = summarise(result)
     print(result["table"])

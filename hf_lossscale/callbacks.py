@@ -29,7 +29,7 @@ from .accelerate_hook import effective_mixed_precision, plain_forward
 from .emulation import measure_flushed_fraction
 from .events import EVENT_LOG_NAME, append_event
 from .fp32_modules import fp32_module_names, run_in_fp32
-from .overflow import display_origin, find_overflow_origin
+from .overflow import display_origin, find_overflow_origin, rng_state
 from .scaler import DynamicLossScaler, LossScaleCollapseError
 from .telemetry import ActivationGradientProbe, module_key
 
@@ -190,7 +190,8 @@ class OverflowDiagnosisCallback(TrainerCallback):
       input gradient is non-finite while its output gradient is finite, at the step's scale.
 
     Costs nothing on clean steps beyond keeping references to the micro-batches of the current
-    optimizer step (a forward pre-hook; no device work, no copy). On a skipped step (the first
+    optimizer step and a host copy of the random generators' state (a forward pre-hook; no device
+    work), so that a replay draws the step's own dropout masks. On a skipped step (the first
     `max_diagnoses` of a run, plus every one `"auto"` can still act on) it replays those micro-batches
     with hooks on every module: one forward per micro-batch up to the one that overflows, and for a
     finite loss one backward that writes no `.grad` (`hf_lossscale.overflow`). With a plain
@@ -207,6 +208,7 @@ class OverflowDiagnosisCallback(TrainerCallback):
         self.events: list[dict[str, Any]] = []
         self._loss_nonfinite: torch.Tensor | None = None
         self._batches: list[tuple[tuple, dict]] = []
+        self._rng_states: list[dict[str, Any]] = []
         self._replaying = False  # the replay's own forwards are not batches to keep
         self._handles: list[Any] = []
 
@@ -218,7 +220,10 @@ class OverflowDiagnosisCallback(TrainerCallback):
 
     def _take_batch(self, module, args, kwargs):
         if module.training and torch.is_grad_enabled() and not self._replaying:
-            self._batches.append((args, kwargs))  # references only: replayed if the step is skipped
+            # references, and the generators' state (a host copy): replayed, with the same dropout
+            # masks, if the step is skipped
+            self._batches.append((args, kwargs))
+            self._rng_states.append(rng_state(module))
 
     def on_train_begin(self, args, state, control, **kwargs):
         scaler = getattr(self.trainer.accelerator, "scaler", None)
@@ -240,13 +245,13 @@ class OverflowDiagnosisCallback(TrainerCallback):
             run_in_fp32(model, scaler.state.fp32_modules, include_model_own=False)
 
     def on_step_begin(self, args, state, control, **kwargs):
-        self._batches = []
+        self._batches, self._rng_states = [], []
 
     def on_train_end(self, args, state, control, **kwargs):
         for handle in self._handles:
             handle.remove()
         self._handles = []
-        self._batches = []
+        self._batches, self._rng_states = [], []
 
     def _step_scale(self, scaler: Any) -> float:
         """The scale the skipped step ran at (its update may have backed off since)."""
@@ -316,10 +321,10 @@ class OverflowDiagnosisCallback(TrainerCallback):
 
         self._replaying = True  # else each replayed forward would add a batch to the list being replayed
         try:
-            batches = list(self._batches)
             return find_overflow_origin(
-                model, batches, loss_fn, context=context, scale=self._step_scale(scaler)
-            )
+                model, list(self._batches), loss_fn, context=context, scale=self._step_scale(scaler),
+                rng_states=list(self._rng_states),
+            )  # fmt: skip
         except Exception as err:  # noqa: BLE001 - a diagnosis must never stop training
             logger.warning("hf_lossscale: the overflow diagnosis failed (%s: %s)", type(err).__name__, err)
             return None

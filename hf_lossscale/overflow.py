@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["find_overflow_origin", "display_origin", "FP16_MAX"]
+__all__ = ["find_overflow_origin", "display_origin", "rng_state", "FP16_MAX"]
 
 FP16_MAX = 65504.0
 
@@ -87,6 +87,25 @@ def _preserved(model: torch.nn.Module) -> Iterator[None]:
                         b.copy_(buffers[n])
 
 
+def rng_state(model: torch.nn.Module) -> dict[str, Any]:
+    """The random-number state a forward of `model` draws from (CPU, and its CUDA devices): taken
+    before a training forward, it lets a replay draw the same dropout masks. Host copies of the
+    generators' state; no device work."""
+    devices = sorted({p.device.index or 0 for p in model.parameters() if p.device.type == "cuda"})
+    state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if devices:
+        state["cuda"] = {d: torch.cuda.get_rng_state(d) for d in devices}
+    return state
+
+
+def _set_rng_state(state: dict[str, Any] | None) -> None:
+    if state is None:
+        return
+    torch.set_rng_state(state["cpu"])
+    for device, value in state.get("cuda", {}).items():
+        torch.cuda.set_rng_state(value, device)
+
+
 def find_overflow_origin(
     model: torch.nn.Module,
     batches: list[Any],
@@ -94,6 +113,7 @@ def find_overflow_origin(
     *,
     context: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
     scale: float = 1.0,
+    rng_states: list[dict[str, Any] | None] | None = None,
 ) -> dict[str, Any] | None:
     """Replay `batches` (one optimizer step's micro-batches) through `model` under `context` (the FP16
     compute: autocast or `fp16_emulation`) until one overflows; say where it starts.
@@ -105,18 +125,23 @@ def find_overflow_origin(
     origin's own parameters with non-finite gradients).
 
     `loss_fn(model, batch)` returns the loss as training computes it (e.g. the Trainer's
-    `compute_loss`); the backward replays `loss * scale` without writing `.grad`.
+    `compute_loss`); the backward replays `loss * scale` without writing `.grad`. `rng_states` (one per
+    batch, from `rng_state(model)` before its training forward) make the replay draw the training
+    step's dropout masks; without them it draws others, and an overflow that depends on the mask may
+    not reproduce. Either way training's own random stream is left as it was.
     """
     names = {m: (n or "") for n, m in model.named_modules()}
-    for index, batch in enumerate(list(batches)):  # a snapshot: the replay must not see batches it adds
+    batches = list(batches)  # a snapshot: the replay must not see batches it adds
+    states = list(rng_states) if rng_states is not None else [None] * len(batches)
+    for index, (batch, state) in enumerate(zip(batches, states, strict=True)):
         with _preserved(model):
-            found = _replay(model, names, batch, loss_fn, context, scale)
+            found = _replay(model, names, batch, loss_fn, context, scale, state)
         if found is not None:
             return {**found, "batch": index}
     return None
 
 
-def _replay(model, names, batch, loss_fn, context, scale):
+def _replay(model, names, batch, loss_fn, context, scale, state=None):
     forward: list[str] = []
     out_fp16: dict[str, bool] = {}
 
@@ -129,6 +154,7 @@ def _replay(model, names, batch, loss_fn, context, scale):
 
     handles = [m.register_forward_hook(after_forward, with_kwargs=True) for m in names]
     try:
+        _set_rng_state(state)
         with context():
             loss = loss_fn(model, batch)
     finally:
@@ -156,11 +182,13 @@ def _replay(model, names, batch, loss_fn, context, scale):
         warnings.simplefilter("ignore", UserWarning)
         handles = [m.register_full_backward_hook(after_backward) for m in names]
         try:
+            _set_rng_state(state)
             with context():
                 loss = loss_fn(model, batch)
                 grads = torch.autograd.grad(loss.float() * scale, params, allow_unused=True)
         except RuntimeError:  # a model that modifies module outputs in place refuses full hooks
             order = []
+            _set_rng_state(state)
             with context():
                 loss = loss_fn(model, batch)
                 grads = torch.autograd.grad(loss.float() * scale, params, allow_unused=True)

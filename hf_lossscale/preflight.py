@@ -228,13 +228,13 @@ def format_preflight(r: dict[str, Any], rows: int = 12) -> str:
     )
     lines += [
         "",
-        f"Activations above 65504 in FP32: {len(over)} module(s){': ' + ', '.join(over) if over else ''}.",
-        f"Within {r['near_bits']:g} bits of 65504: {len(near)} module(s){': ' + ', '.join(near) if near else ''}.",
-        "FP16 forward (replayed, moving each origin to FP32 in turn): "
+        f"- Activations above 65504 in FP32: {len(over)} module(s){': ' + ', '.join(over) if over else ''}.",
+        f"- Within {r['near_bits']:g} bits of 65504: {len(near)} module(s){': ' + ', '.join(near) if near else ''}.",
+        "- FP16 forward (replayed, moving each origin to FP32 in turn): "
         + (f"overflows, starting in {origins}." if origins else "no overflow."),
-        f"Suggested fp32_modules: {r['suggested_fp32_modules'] or 'none'}"
+        f"- Suggested fp32_modules: {r['suggested_fp32_modules'] or 'none'}"
         + (f"  (--loss_scale_fp32_modules {','.join(r['suggested_fp32_modules'])}, or 'auto')" if r["suggested_fp32_modules"] else ""),
-        f"Suggested initial scale: 2^{k} = {r['suggested_init_scale']:g} (largest gradient {r['grad_max']:.3g}, "
+        f"- Suggested initial scale: 2^{k} = {r['suggested_init_scale']:g} (largest gradient {r['grad_max']:.3g}, "
         f"{r['margin_bits']} bits under 65504)",
     ]  # fmt: skip
     return "\n".join(lines)

@@ -523,3 +523,22 @@ def test_transient_overflow_is_reported_as_not_reproduced_and_replays_are_not_ke
         len(overflow) == 1 and overflow[0]["origin"] is None and "not reproduced" in overflow[0]["diagnosis"]
     )
     assert trainer.loss_scaler.stats()["total_steps"] == 3
+
+
+def test_replay_draws_the_training_steps_dropout_masks():
+    """Bug caught: a replay that draws other dropout masks, so an overflow that depends on the mask
+    (the transient backward overflows of forward_overflow.py's runs) is called "not reproduced"."""
+    from hf_lossscale.overflow import rng_state
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Dropout(0.5), torch.nn.Linear(64, 1)).train()
+    seen = []
+    model[1].register_forward_hook(lambda m, a, out: seen.append(out.detach().clone()))
+    x = torch.randn(4, 8)
+    state = rng_state(model)
+    model(x).sum().backward()  # the training step
+    after_training = torch.get_rng_state()
+    find_overflow_origin(model, [x], lambda m, b: m(b).sum(), scale=1.0, rng_states=[state])
+    assert len(seen) == 3 and torch.equal(seen[1], seen[0]) and torch.equal(seen[2], seen[0])
+    assert torch.equal(torch.get_rng_state(), after_training)  # training's stream untouched
+    find_overflow_origin(model, [x], lambda m, b: m(b).sum(), scale=1.0)
+    assert not torch.equal(seen[-1], seen[0])  # without the state: other masks
