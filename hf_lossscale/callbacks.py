@@ -194,17 +194,26 @@ class OverflowDiagnosisCallback(TrainerCallback):
     work), so that a replay draws the step's own dropout masks. On a skipped step (the first
     `max_diagnoses` of a run, plus every one `"auto"` can still act on) it replays those micro-batches
     with hooks on every module: one forward per micro-batch up to the one that overflows, and for a
-    finite loss one backward that writes no `.grad` (`hf_lossscale.overflow`). With a plain
+    finite loss one backward that writes no `.grad` (`hf_lossscale.overflow`). A backward overflow is
+    replayed only for the first `max_backward_replays` of a run: its fix, the backoff, is already made,
+    and the replay of a backward pass with hooks costs a few training steps; later ones are named by
+    their parameters only. With a plain
     `Trainer` (torch's `GradScaler`) the loss flag comes from the model's output `loss`.
     """
 
     def __init__(
-        self, trainer: Any, event_log: LossScaleEventLogCallback | None = None, max_diagnoses: int = 5
+        self,
+        trainer: Any,
+        event_log: LossScaleEventLogCallback | None = None,
+        max_diagnoses: int = 5,
+        max_backward_replays: int = 1,
     ):
         self.trainer = trainer
         self.event_log = event_log
         self.max_diagnoses = max_diagnoses
+        self.max_backward_replays = max_backward_replays
         self.diagnosed = 0
+        self.backward_replays = 0
         self.events: list[dict[str, Any]] = []
         self._loss_nonfinite: torch.Tensor | None = None
         self._batches: list[tuple[tuple, dict]] = []
@@ -284,7 +293,12 @@ class OverflowDiagnosisCallback(TrainerCallback):
             loss_nonfinite = bool(ours.last_loss_nonfinite.item())
         else:
             loss_nonfinite = bool(flag.item()) if flag is not None else None
-        origin = self._diagnose(model, scaler)
+        # A backward overflow's fix is the backoff the scaler already made: only the first of a run is
+        # replayed to name its origin (a replay of a backward pass costs a few training steps).
+        replay = loss_nonfinite is not False or self.backward_replays < self.max_backward_replays
+        if replay and loss_nonfinite is False:
+            self.backward_replays += 1
+        origin = self._diagnose(model, scaler) if replay else None
         event = {
             "event": "overflow",
             "step": state.global_step + 1,  # the optimizer step being skipped
@@ -298,7 +312,11 @@ class OverflowDiagnosisCallback(TrainerCallback):
             "n_params": len(params),
         }
         if origin is None:
-            event["diagnosis"] = "not reproduced in a replay of the step's batches (transient)"
+            event["diagnosis"] = (
+                "not reproduced in a replay of the step's batches (transient)"
+                if replay
+                else f"not replayed (only the first {self.max_backward_replays} backward overflow(s) of a run are)"
+            )
         if ours is not None and origin is not None:
             ours.overflow_origin = {"step": event["step"], **origin}
         self._write(event)

@@ -11,7 +11,7 @@ Two kinds, told apart because they need different fixes:
 
 Nothing runs on clean steps: the diagnosis replays a batch that overflowed, with hooks on every
 module (one forward, and for a finite loss one backward that writes no `.grad`), reading a flag per
-module on the host. Dropout draws from a forked RNG, so training's random stream is untouched;
+module on the host until the origin is settled. Dropout draws from a forked RNG, so training's random stream is untouched;
 buffers (running statistics) are restored afterwards. Imports only torch.
 """
 
@@ -142,8 +142,12 @@ def find_overflow_origin(
 
 
 def _replay(model, names, batch, loss_fn, context, scale, state=None):
+    """One forward with forward and backward hooks on every module; the backward only when the
+    forward found no origin and the loss is finite."""
     forward: list[str] = []
     out_fp16: dict[str, bool] = {}
+    order: list[tuple[str, bool, bool]] = []  # (module, output grad fits FP16, input grad finite)
+    settled = [False]  # a module with fine output and bad input gradients fired: the rest need no check
 
     def after_forward(module, args, kwargs, output):
         name = names[module]
@@ -152,49 +156,51 @@ def _replay(model, names, batch, loss_fn, context, scale, state=None):
         if not forward and not _finite(outs) and _finite(_floating(args) + _floating(kwargs)):
             forward.append(name)
 
-    handles = [m.register_forward_hook(after_forward, with_kwargs=True) for m in names]
-    try:
-        _set_rng_state(state)
-        with context():
-            loss = loss_fn(model, batch)
-    finally:
-        for h in handles:
-            h.remove()
-    loss_finite = _finite(_floating(loss))
-    if forward:
-        return _result("forward", forward[0], names, loss_finite=loss_finite)
-    if not loss_finite:  # non-finite without a module to blame: the loss arithmetic outside the model
-        return {"kind": "forward", "origin": None, "module_type": None, "loss_finite": False}
-
-    order: list[tuple[str, bool, bool]] = []  # (module, output grad fits FP16, input grad finite)
-
     def after_backward(module, grad_input, grad_output):
+        if settled[0]:
+            return
         name = names[module]
         outs = [g for g in grad_output if g is not None]
-        ins = [g for g in grad_input if g is not None]
-        out_ok = _finite(outs) and (not out_fp16.get(name) or _fits_fp16(outs))
-        order.append((name, out_ok, _finite(ins)))
+        # within 65504 is finite too: one pass where the output is FP16
+        out_ok = _fits_fp16(outs) if out_fp16.get(name) else _finite(outs)
+        in_ok = _finite([g for g in grad_input if g is not None])
+        order.append((name, out_ok, in_ok))
+        settled[0] = out_ok and not in_ok
 
     params = [p for p in model.parameters() if p.requires_grad]
     with warnings.catch_warnings():
         # modules none of whose inputs require grad (embeddings, the model itself) fire at their
         # output's gradient; torch warns about it once per module
         warnings.simplefilter("ignore", UserWarning)
-        handles = [m.register_full_backward_hook(after_backward) for m in names]
+        handles = [m.register_forward_hook(after_forward, with_kwargs=True) for m in names]
+        handles += [m.register_full_backward_hook(after_backward) for m in names]
+        grads = None
         try:
             _set_rng_state(state)
             with context():
                 loss = loss_fn(model, batch)
-                grads = torch.autograd.grad(loss.float() * scale, params, allow_unused=True)
+                loss_finite = _finite(_floating(loss))
+                if not forward and loss_finite:
+                    grads = torch.autograd.grad(loss.float() * scale, params, allow_unused=True)
         except RuntimeError:  # a model that modifies module outputs in place refuses full hooks
-            order = []
+            for h in handles:
+                h.remove()
+            forward.clear()
+            order.clear()
+            handles = [m.register_forward_hook(after_forward, with_kwargs=True) for m in names]
             _set_rng_state(state)
             with context():
                 loss = loss_fn(model, batch)
-                grads = torch.autograd.grad(loss.float() * scale, params, allow_unused=True)
+                loss_finite = _finite(_floating(loss))
+                if not forward and loss_finite:
+                    grads = torch.autograd.grad(loss.float() * scale, params, allow_unused=True)
         finally:
             for h in handles:
                 h.remove()
+    if forward:
+        return _result("forward", forward[0], names, loss_finite=loss_finite)
+    if not loss_finite:  # non-finite without a module to blame: the loss arithmetic outside the model
+        return {"kind": "forward", "origin": None, "module_type": None, "loss_finite": False}
     bad_params = {id(p) for p, g in zip(params, grads, strict=True) if g is not None and not _finite([g])}
     if not bad_params:
         return None

@@ -538,7 +538,7 @@ def test_replay_draws_the_training_steps_dropout_masks():
     model(x).sum().backward()  # the training step
     after_training = torch.get_rng_state()
     find_overflow_origin(model, [x], lambda m, b: m(b).sum(), scale=1.0, rng_states=[state])
-    assert len(seen) == 3 and torch.equal(seen[1], seen[0]) and torch.equal(seen[2], seen[0])
+    assert len(seen) == 2 and torch.equal(seen[1], seen[0])  # one replayed forward, the same mask
     assert torch.equal(torch.get_rng_state(), after_training)  # training's stream untouched
     find_overflow_origin(model, [x], lambda m, b: m(b).sum(), scale=1.0)
     assert not torch.equal(seen[-1], seen[0])  # without the state: other masks
