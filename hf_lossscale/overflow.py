@@ -172,31 +172,30 @@ def _replay(model, names, batch, loss_fn, context, scale, state=None):
         # modules none of whose inputs require grad (embeddings, the model itself) fire at their
         # output's gradient; torch warns about it once per module
         warnings.simplefilter("ignore", UserWarning)
-        handles = [m.register_forward_hook(after_forward, with_kwargs=True) for m in names]
-        handles += [m.register_full_backward_hook(after_backward) for m in names]
-        grads = None
-        try:
-            _set_rng_state(state)
-            with context():
-                loss = loss_fn(model, batch)
-                loss_finite = _finite(_floating(loss))
-                if not forward and loss_finite:
-                    grads = torch.autograd.grad(loss.float() * scale, params, allow_unused=True)
-        except RuntimeError:  # a model that modifies module outputs in place refuses full hooks
-            for h in handles:
-                h.remove()
+
+        def run(backward_hooks: bool) -> tuple[bool, Any]:
             forward.clear()
             order.clear()
+            settled[0] = False
             handles = [m.register_forward_hook(after_forward, with_kwargs=True) for m in names]
-            _set_rng_state(state)
-            with context():
-                loss = loss_fn(model, batch)
-                loss_finite = _finite(_floating(loss))
-                if not forward and loss_finite:
-                    grads = torch.autograd.grad(loss.float() * scale, params, allow_unused=True)
-        finally:
-            for h in handles:
-                h.remove()
+            if backward_hooks:
+                handles += [m.register_full_backward_hook(after_backward) for m in names]
+            try:
+                _set_rng_state(state)
+                with context():
+                    loss = loss_fn(model, batch)
+                    finite = _finite(_floating(loss))
+                    if forward or not finite:
+                        return finite, None
+                    return finite, torch.autograd.grad(loss.float() * scale, params, allow_unused=True)
+            finally:
+                for h in handles:
+                    h.remove()
+
+        try:
+            loss_finite, grads = run(backward_hooks=True)
+        except RuntimeError:  # a model that modifies module outputs in place refuses full hooks
+            loss_finite, grads = run(backward_hooks=False)
     if forward:
         return _result("forward", forward[0], names, loss_finite=loss_finite)
     if not loss_finite:  # non-finite without a module to blame: the loss arithmetic outside the model
