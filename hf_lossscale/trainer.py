@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
+import math
 import os
 import re
 import warnings
@@ -67,6 +69,24 @@ _FRESH_HINT = (
 )
 
 
+def _shown(value: Any) -> str:
+    """A default as a user would type it: powers of two as 2**k, an empty tuple as none."""
+    if isinstance(value, float) and value >= 1024 and math.log2(value).is_integer():
+        return f"2**{int(math.log2(value))}"
+    if isinstance(value, tuple):
+        return ",".join(value) or "none"
+    return repr(value)
+
+
+def _setting(config_field: str, extra: str = "") -> Any:
+    """A `loss_scale_*` argument for one `LossScaleConfig` field: default None ("not set"); its help is
+    the config field's, with the config's default."""
+    spec = next(f for f in dataclasses.fields(LossScaleConfig) if f.name == config_field)
+    return field(
+        default=None, metadata={"help": f"{spec.metadata['help']} (default {_shown(spec.default)}{extra})"}
+    )
+
+
 @dataclass
 class LossScaleTrainingArguments(TrainingArguments):
     """`TrainingArguments` with the loss-scale settings. `None` means "not set".
@@ -76,81 +96,27 @@ class LossScaleTrainingArguments(TrainingArguments):
     validated here, through `LossScaleConfig`, so a bad flag fails at argument time.
     """
 
-    loss_scale_mode: str | None = field(
-        default=None, metadata={"help": "Loss scaling: 'dynamic' (default), 'static' or 'off'."}
+    # The settings, one per `LossScaleConfig` field (`ARG_TO_FIELD`): None means "not set"; the help
+    # text and the default it names come from the config field (tests/test_config.py checks each).
+    loss_scale_mode: str | None = _setting("mode")
+    loss_scale_init: float | None = _setting("init_scale")
+    loss_scale_growth_factor: float | None = _setting("growth_factor")
+    loss_scale_backoff_factor: float | None = _setting("backoff_factor")
+    loss_scale_growth_interval: int | None = _setting("growth_interval")
+    loss_scale_min: float | None = _setting("min_scale")
+    loss_scale_max: float | None = _setting("max_scale")
+    loss_scale_hysteresis: int | None = _setting("hysteresis")
+    loss_scale_consecutive_hysteresis: bool | None = _setting("consecutive_hysteresis")
+    loss_scale_max_consecutive_skips: int | None = _setting("max_consecutive_skips", "; 0 disables the check")
+    loss_scale_fp16_on_cpu: str | None = _setting("fp16_on_cpu")
+    loss_scale_telemetry_interval: int | None = _setting(
+        "telemetry_interval", "; logged as grad_zero_frac, grad_subnormal_frac, headroom_bits"
     )
-    loss_scale_init: float | None = field(
-        default=None, metadata={"help": "Initial loss scale (default 2**16)."}
-    )
-    loss_scale_growth_factor: float | None = field(
-        default=None, metadata={"help": "Scale multiplier after a clean streak (default 2.0, > 1)."}
-    )
-    loss_scale_backoff_factor: float | None = field(
-        default=None, metadata={"help": "Scale multiplier on overflow (default 0.5, in (0, 1))."}
-    )
-    loss_scale_growth_interval: int | None = field(
-        default=None, metadata={"help": "Clean optimizer steps before the scale grows (default 2000)."}
-    )
-    loss_scale_min: float | None = field(default=None, metadata={"help": "Floor of the scale (default 1.0)."})
-    loss_scale_max: float | None = field(
-        default=None, metadata={"help": "Ceiling of the scale (default 2**24)."}
-    )
-    loss_scale_hysteresis: int | None = field(
-        default=None, metadata={"help": "Overflowing steps tolerated before a backoff (default 1)."}
-    )
-    loss_scale_consecutive_hysteresis: bool | None = field(
-        default=None, metadata={"help": "Refill the hysteresis budget on every clean step (default False)."}
-    )
-    loss_scale_max_consecutive_skips: int | None = field(
-        default=None,
-        metadata={
-            "help": "Raise after this many skipped steps in a row (default 100; 0 disables the check)."
-        },
-    )
-    loss_scale_fp16_on_cpu: str | None = field(
-        default=None,
-        metadata={
-            "help": "FP16 on a CPU: 'emulate' (default; FP16 numerics at FP32 speed) or 'native' (~20x slower)."
-        },
-    )
-    loss_scale_telemetry_interval: int | None = field(
-        default=None,
-        metadata={
-            "help": "Gradient exponent histograms every N optimizer steps, logged as grad_zero_frac, "
-            "grad_subnormal_frac, headroom_bits (default 100; 0 disables)."
-        },
-    )
-    loss_scale_backoff_on_nonfinite_loss: bool | None = field(
-        default=None,
-        metadata={
-            "help": "Back the scale off on a step whose loss is non-finite too (torch's rule; default False: "
-            "a forward overflow leaves the scale alone)."
-        },
-    )
-    loss_scale_fp32_modules: str | None = field(
-        default=None,
-        metadata={
-            "help": "Comma-separated module-name patterns that run in FP32 (outside autocast); 'auto' adds "
-            "each module diagnosed as the origin of a forward overflow (default: none, plus the model's own "
-            "_keep_in_fp32_modules)."
-        },
-    )
-    loss_scale_max_auto_fp32_modules: int | None = field(
-        default=None, metadata={"help": "The most modules fp32_modules='auto' adds in one run (default 8)."}
-    )
-    loss_scale_at_min_scale: str | None = field(
-        default=None,
-        metadata={
-            "help": "After max_consecutive_skips skips in a row: 'raise' (default), 'warn' (keep skipping) or "
-            "'clamp' (at the floor, clamp the non-finite gradients and step)."
-        },
-    )
-    loss_scale_floor_event_steps: int | None = field(
-        default=None,
-        metadata={
-            "help": "Event when the scale sits at its floor this many steps in a row (default 100; 0: off)."
-        },
-    )
+    loss_scale_backoff_on_nonfinite_loss: bool | None = _setting("backoff_on_nonfinite_loss")
+    loss_scale_fp32_modules: str | None = _setting("fp32_modules")
+    loss_scale_max_auto_fp32_modules: int | None = _setting("max_auto_fp32_modules")
+    loss_scale_at_min_scale: str | None = _setting("at_min_scale")
+    loss_scale_floor_event_steps: int | None = _setting("floor_event_steps")
     loss_scale_preflight: bool = field(
         default=False,
         metadata={

@@ -125,3 +125,33 @@ def test_config_module_is_torch_free():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_training_arguments_follow_the_config_field_by_field():
+    """Issue 31: the `loss_scale_*` TrainingArguments and `LossScaleConfig` are one set of settings.
+    Each config field has exactly one argument (`ARG_TO_FIELD`), unset by default (None), typed as the
+    field or None (a string for `fp32_modules`, comma-separated), with the field's help and default.
+    Bugs caught: a config field without a flag, a flag whose help states a stale default, a flag typed
+    so that HfArgumentParser parses it as something else."""
+    import dataclasses
+    import typing
+
+    from hf_lossscale import LossScaleConfig, LossScaleTrainingArguments
+    from hf_lossscale.trainer import ARG_TO_FIELD, _shown
+
+    config_fields = {f.name: f for f in dataclasses.fields(LossScaleConfig)}
+    arg_fields = {f.name: f for f in dataclasses.fields(LossScaleTrainingArguments)}
+    assert sorted(ARG_TO_FIELD.values()) == sorted(config_fields)
+    hints = typing.get_type_hints(LossScaleTrainingArguments)
+    config_hints = typing.get_type_hints(LossScaleConfig)
+    for arg, name in ARG_TO_FIELD.items():
+        spec, target = arg_fields[arg], config_fields[name]
+        assert spec.default is None, arg
+        expected = str if name == "fp32_modules" else config_hints[name]
+        assert set(typing.get_args(hints[arg])) == set(typing.get_args(expected) or (expected,)) | {
+            type(None)
+        }, arg
+        help_text = spec.metadata["help"]
+        assert help_text.startswith(target.metadata["help"]), arg
+        assert f"(default {_shown(target.default)}" in help_text, arg
+        assert getattr(LossScaleConfig(), name) == target.default  # the help's default is the one in force
