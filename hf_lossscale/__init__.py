@@ -1,35 +1,29 @@
 """hf_lossscale: configurable, observable loss scaling for FP16 training with Hugging Face tools.
 
-`import hf_lossscale` imports only torch. The Accelerate and Trainer integrations import
-accelerate/transformers when first used (`hf_lossscale.install_loss_scaler`, ...).
+`import hf_lossscale` imports nothing heavy: each public name loads its module on first access, so
+the scaler imports only torch, the config (`hf_lossscale.config`) not even torch, and the Accelerate
+and Trainer integrations import accelerate/transformers when first used.
 """
 
 from importlib import import_module
 from typing import Any
 
-from .config import LossScaleConfig
-from .emulation import fp16_emulation, measure_flushed_fraction
-from .scaler import DynamicLossScaler, LossScaleCollapseError
-
 __version__ = "0.1.0"
 
-# Public names that live in modules with heavy imports, loaded on first access.
+# Public names, loaded with their module on first access.
 _LAZY = {
+    "LossScaleConfig": "config",
+    "fp16_emulation": "emulation",
+    "measure_flushed_fraction": "emulation",
+    "DynamicLossScaler": "scaler",
+    "LossScaleCollapseError": "scaler",
     "install_loss_scaler": "accelerate_hook",
     "LossScaleTrainingArguments": "trainer",
     "LossScaleTrainer": "trainer",
     "LossScaleMixin": "trainer",
 }
 
-__all__ = [
-    "DynamicLossScaler",
-    "LossScaleCollapseError",
-    "LossScaleConfig",
-    "fp16_emulation",
-    "measure_flushed_fraction",
-    "__version__",
-    *_LAZY,
-]
+__all__ = ["__version__", *_LAZY]
 
 
 def __getattr__(name: str) -> Any:

@@ -111,20 +111,24 @@ def test_file_errors_name_the_file(tmp_path):
 
 
 def test_config_module_is_torch_free():
+    """A launcher or CI step can build and check a config as users import it (`hf_lossscale.config`,
+    `from hf_lossscale import LossScaleConfig`), package `__init__` included, without importing torch.
+    Bug caught: a torch import in the config path or an eager import in the package's `__init__`."""
     import subprocess
     import sys
 
-    import hf_lossscale.config as config_module
-
-    # hf_lossscale/__init__ imports the scaler (torch); load config.py on its own.
     code = (
-        "import importlib.util, sys\n"
-        f"spec = importlib.util.spec_from_file_location('cfg', {config_module.__file__!r})\n"
-        "m = importlib.util.module_from_spec(spec); sys.modules['cfg'] = m; spec.loader.exec_module(m)\n"
-        "m.LossScaleConfig(); print('torch' in sys.modules)"
+        "import sys, hf_lossscale.config\n"
+        "from hf_lossscale import LossScaleConfig\n"
+        "LossScaleConfig(fp32_modules='auto').to_dict(); hf_lossscale.config.config_from_env({})\n"
+        "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+    code = "import sys, hf_lossscale; hf_lossscale.DynamicLossScaler; print('torch' in sys.modules)"
+    assert (
+        subprocess.run([sys.executable, "-c", code], capture_output=True, text=True).stdout.strip() == "True"
+    )
 
 
 def test_training_arguments_follow_the_config_field_by_field():
