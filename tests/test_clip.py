@@ -99,8 +99,10 @@ def test_equal_to_torch_unscale_then_clip(kind, max_norm):
 @pytest.mark.parametrize("optimizer", ["sgd", "adamw"])
 def test_fused_kernel_gradient_within_one_ulp_of_torch(optimizer):
     """With clipping, a fused kernel gets scale / coefficient as its divisor: the gradient it uses
-    is within one ulp of torch's (gradient * 1/scale) * coefficient, element by element (measured
-    through SGD with lr 1 from zero parameters, whose result is minus that gradient)."""
+    is within one ulp of torch's (gradient * 1/scale) * coefficient, element by element. Measured
+    through fused SGD with lr 1 from zero parameters, whose result is minus that gradient, and through
+    fused AdamW's first step from zero parameters (betas 0: the update is lr * g / (|g| + eps), as
+    sensitive to the gradient's last bits as the gradient itself near eps)."""
     worst = 0
     for trial in range(30):
         g = torch.Generator().manual_seed(trial)
@@ -108,7 +110,12 @@ def test_fused_kernel_gradient_within_one_ulp_of_torch(optimizer):
         results = []
         for ours in (True, False):
             params = [torch.nn.Parameter(torch.zeros(500)) for _ in grads]
-            opt = torch.optim.SGD(params, lr=1.0, fused=True)
+            if optimizer == "sgd":
+                opt = torch.optim.SGD(params, lr=1.0, fused=True)
+            else:  # eps near the gradients' size, so the update keeps their low bits
+                opt = torch.optim.AdamW(
+                    params, lr=1.0, betas=(0.0, 0.0), eps=1e-3, weight_decay=0.0, fused=True
+                )
             scaler = (
                 DynamicLossScaler(init_scale=2.0**14)
                 if ours
@@ -126,8 +133,10 @@ def test_fused_kernel_gradient_within_one_ulp_of_torch(optimizer):
             results.append(torch.cat([p.detach() for p in params]))
         a, b = (r.view(torch.int32).long() for r in results)
         worst = max(worst, (a - b).abs().max().item())
-    print(f"fused SGD, clipped: largest difference {worst} ulp")
-    assert worst <= 1
+    print(f"fused {optimizer}, clipped: largest difference {worst} ulp")
+    # SGD shows the gradient itself: one ulp. AdamW's update g / (sqrt(g*g) + eps) rounds three more
+    # times, which turns a one-ulp gradient difference into at most two in the result (measured: 2).
+    assert worst <= {"sgd": 1, "adamw": 2}[optimizer]
     if optimizer == "adamw":  # the same divisor goes to the AdamW kernel: one step matches closely
         ours, theirs = (run("adamw_fused", 0.05, ours=o, steps=1)[1] for o in (True, False))
         for a, b in zip(ours, theirs, strict=True):
