@@ -252,7 +252,8 @@ def test_accelerate_launch_configured_through_environment(tmp_path):
         "HF_LOSSSCALE_FP16_ON_CPU": "native",
     }
     script = Path(__file__).parent / "scripts" / "accelerate_train.py"
-    cmd = ["accelerate", "launch", "--cpu", "--num_processes", "1", "--num_machines", "1",
+    # this interpreter's accelerate (a bare `accelerate` on PATH may belong to another environment)
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--cpu", "--num_processes", "1", "--num_machines", "1",
            "--mixed_precision", "fp16", "--dynamo_backend", "no", str(script), str(out)]  # fmt: skip
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -266,7 +267,6 @@ def test_accelerate_launch_configured_through_environment(tmp_path):
     assert result["stats"]["total_steps"] == 20 and result["stats"]["skipped_steps"] == 1
     assert result["stats"]["loss_scale"] == 256.0  # hysteresis 2: one overflow does not back off
     assert result["last_loss"] < result["first_loss"]
-    assert sys.executable
 
 
 def test_event_log_and_flushed_probe_leave_training_unchanged(tmp_path):
