@@ -18,7 +18,7 @@ import torch
 
 from .telemetry import FP16_MAX, ActivationGradientProbe
 
-__all__ = ["add_advise_arguments", "advise"]
+__all__ = ["add_advise_arguments", "advise", "recommended_scale", "FP16_TINY"]
 
 FP16_TINY = 2.0**-24
 
@@ -68,6 +68,15 @@ def load_blocks(opts: argparse.Namespace, tokenizer) -> list[list[int]]:
             f"Not enough text for {opts.per_device_train_batch_size} blocks of {opts.block_size} tokens."
         )
     return [ids[i * opts.block_size : (i + 1) * opts.block_size] for i in range(n)]
+
+
+def recommended_scale(amax: float, margin_bits: int) -> float:
+    """The largest power of two (in [1, 2^24]) that keeps a gradient of `amax` `margin_bits` powers of
+    two under 65504; 2^16 when every gradient is zero."""
+    if amax <= 0:
+        return 2.0**16
+    exponent = math.floor(math.log2(FP16_MAX / amax)) - margin_bits
+    return 2.0 ** min(max(exponent, 0), 24)
 
 
 def _lost(samples: list[torch.Tensor], scale: float) -> float:
@@ -121,11 +130,7 @@ def advise(opts: argparse.Namespace) -> dict[str, Any]:
     flat = [s for v in samples.values() for s in v]
     act_amax = max((float(s.abs().max()) for s in flat if s.numel()), default=0.0)
     amax = max(act_amax, param_amax)
-    if amax > 0:
-        exponent = math.floor(math.log2(FP16_MAX / amax)) - opts.margin_bits
-        recommended = 2.0 ** min(max(exponent, 0), 24)
-    else:
-        recommended = 2.0**16
+    recommended = recommended_scale(amax, opts.margin_bits)
     per_module = {
         name: {
             "max_abs": max(float(s.abs().max()) for s in v),

@@ -31,6 +31,7 @@ from .events import EVENT_LOG_NAME, append_event
 from .fp32_modules import fp32_module_names, run_in_fp32
 from .overflow import display_origin, find_overflow_origin, rng_state
 from .scaler import DynamicLossScaler, LossScaleCollapseError
+from .scaler_observers import nonfinite_flags
 from .telemetry import ActivationGradientProbe, module_key
 
 __all__ = [
@@ -242,16 +243,6 @@ class OverflowDiagnosisCallback(TrainerCallback):
                 model.register_forward_pre_hook(self._take_batch, with_kwargs=True),
                 model.register_forward_hook(self._watch_loss),
             ]
-        ours = loss_scaler_of(self.trainer)
-        if ours is not None:
-            self._apply_fp32_modules(ours)
-
-    def _apply_fp32_modules(self, scaler: DynamicLossScaler) -> None:
-        """The modules a resumed checkpoint's `"auto"` moved to FP32 (the configured patterns were
-        applied when the model was prepared)."""
-        if scaler.state.fp32_modules:
-            model = self.trainer.accelerator.unwrap_model(self.trainer.model)
-            run_in_fp32(model, scaler.state.fp32_modules, include_model_own=False)
 
     def on_step_begin(self, args, state, control, **kwargs):
         self._batches, self._rng_states = [], []
@@ -286,8 +277,7 @@ class OverflowDiagnosisCallback(TrainerCallback):
         self.diagnosed += 1
         model = self.trainer.accelerator.unwrap_model(self.trainer.model)
         named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
-        with torch.no_grad():
-            bad = torch.stack([~torch.isfinite(g).all() for _, g in named]).tolist() if named else []
+        bad = nonfinite_flags([g for _, g in named]).tolist() if named else []
         params = [n for (n, _), b in zip(named, bad, strict=True) if b]
         if ours is not None and ours.last_loss_nonfinite is not None:
             loss_nonfinite = bool(ours.last_loss_nonfinite.item())

@@ -24,9 +24,9 @@ from typing import Any
 
 import torch
 
-__all__ = ["find_overflow_origin", "display_origin", "rng_state", "FP16_MAX"]
+from .telemetry import FP16_MAX
 
-FP16_MAX = 65504.0
+__all__ = ["find_overflow_origin", "display_origin", "floating_tensors", "rng_state"]
 
 
 def display_origin(origin: str | None) -> str:
@@ -52,7 +52,8 @@ def _tensors(value: Any) -> Iterator[torch.Tensor]:
             yield from _tensors(v)
 
 
-def _floating(value: Any) -> list[torch.Tensor]:
+def floating_tensors(value: Any) -> list[torch.Tensor]:
+    """The floating tensors in a value: a tensor, nested tuples and lists, dicts and model outputs."""
     return [t for t in _tensors(value) if t.is_floating_point()]
 
 
@@ -151,9 +152,9 @@ def _replay(model, names, batch, loss_fn, context, scale, state=None):
 
     def after_forward(module, args, kwargs, output):
         name = names[module]
-        outs = _floating(output)
+        outs = floating_tensors(output)
         out_fp16[name] = any(_is_fp16(t) for t in outs)
-        if not forward and not _finite(outs) and _finite(_floating(args) + _floating(kwargs)):
+        if not forward and not _finite(outs) and _finite(floating_tensors(args) + floating_tensors(kwargs)):
             forward.append(name)
 
     def after_backward(module, grad_input, grad_output):
@@ -184,7 +185,7 @@ def _replay(model, names, batch, loss_fn, context, scale, state=None):
                 _set_rng_state(state)
                 with context():
                     loss = loss_fn(model, batch)
-                    finite = _finite(_floating(loss))
+                    finite = _finite(floating_tensors(loss))
                     if forward or not finite:
                         return finite, None
                     return finite, torch.autograd.grad(loss.float() * scale, params, allow_unused=True)

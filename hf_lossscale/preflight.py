@@ -26,25 +26,12 @@ from typing import Any
 
 import torch
 
+from .advise import FP16_TINY, recommended_scale
 from .fp32_modules import run_in_fp32, runs_in_fp32, unwrap
-from .overflow import FP16_MAX, find_overflow_origin
+from .overflow import find_overflow_origin, floating_tensors
+from .telemetry import FP16_MAX
 
 __all__ = ["preflight", "format_preflight", "add_preflight_arguments", "run"]
-
-FP16_TINY = 2.0**-24
-
-
-def _floats(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value] if value.is_floating_point() else []
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _floats(v)]
-    if isinstance(value, dict) or hasattr(value, "values"):
-        try:
-            return [t for v in value.values() for t in _floats(v)]
-        except Exception:  # noqa: BLE001 - an object with an unrelated values()
-            return []
-    return []
 
 
 def _bits(ratio: float) -> float | None:
@@ -70,7 +57,7 @@ def _fp32_stats(model, batches, loss_fn, loss_divisor) -> tuple[dict[str, dict[s
         s = stats.setdefault(
             name, {"act_max": 0.0, "grad_max": 0.0, "grad_min": math.inf, "type": type(module).__name__}
         )
-        for t in _floats(output):
+        for t in floating_tensors(output):
             if t.numel():
                 s["act_max"] = max(s["act_max"], float(t.detach().abs().max()))
             if t.requires_grad:
@@ -79,11 +66,11 @@ def _fp32_stats(model, batches, loss_fn, loss_divisor) -> tuple[dict[str, dict[s
     names = {m: n for n, m in model.named_modules() if n}
     handles = [m.register_forward_hook(after_forward) for m in names]
     losses = []
+    params = [p for p in model.parameters() if p.requires_grad]
     try:
         for batch in batches:
             loss = loss_fn(model, batch)
             losses.append(float(loss.detach()))
-            params = [p for p in model.parameters() if p.requires_grad]
             torch.autograd.grad(loss / loss_divisor, params, allow_unused=True)
     finally:
         for h in handles:
@@ -151,11 +138,7 @@ def preflight(
             "status": status,
         }
     grad_max = max((m["grad_max"] for m in modules.values()), default=0.0)
-    if grad_max > 0:
-        exponent = math.floor(math.log2(FP16_MAX / grad_max)) - margin_bits
-        init_scale = 2.0 ** min(max(exponent, 0), 24)
-    else:
-        init_scale = 2.0**16
+    init_scale = recommended_scale(grad_max, margin_bits)
     return {
         "losses": losses,
         "near_bits": near_bits,

@@ -26,12 +26,11 @@ from .scaler_observers import (
     default_observers,
 )
 from .scaler_state import STATE_FORMAT, STATE_FORMAT_VERSION, ScalerState
-from .telemetry import GradientTelemetry
+from .telemetry import FP16_MAX, GradientTelemetry
 
 __all__ = ["DynamicLossScaler", "LossScaleCollapseError", "OptState", "STATE_FORMAT", "STATE_FORMAT_VERSION"]
 
 _MAX_NAMES = 8  # parameter names shown in the FP16-parameter error
-_FP16_MAX = 65504.0
 
 
 class OptState(Enum):
@@ -415,7 +414,7 @@ class DynamicLossScaler:
         found_v, scale_v = torch.stack([found, self._scale.to(found.device)]).tolist()
         skipped = found_v > 0
         if skipped and scale_v <= self.config.min_scale:
-            limit = _FP16_MAX / scale_v
+            limit = FP16_MAX / scale_v
             with torch.no_grad():
                 for group in optimizer.param_groups:
                     for param in group["params"]:
@@ -553,16 +552,15 @@ class DynamicLossScaler:
                 return
             self._require_init("update")
         self._iteration += 1
+        loss_finite, self._loss_finite = self._loss_finite, None  # the flag belongs to this iteration
         if new_scale is not None:
             self._set_scale(new_scale)
-            self._loss_finite = None
             self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
             self._host_skipped = None
             self._notify_update(rule_applied=False)
             return
         if not self.is_enabled():
             self.state["total_steps"].add_(1)
-            self._loss_finite = None
             self._host_skipped = False
             self._notify_update(rule_applied=False)
             return
@@ -579,8 +577,7 @@ class DynamicLossScaler:
                 "each optimizer of the iteration before update()."
             )
         found = torch.stack(flags).amax() > 0 if len(flags) > 1 else flags[0] > 0
-        loss_bad = None if self._loss_finite is None else ~self._loss_finite
-        self._loss_finite = None
+        loss_bad = None if loss_finite is None else ~loss_finite
         if _world_size(self._found_inf_group) > 1:
             loss_bad = self._all_ranks_loss_flag(loss_bad)
         self._apply_rule(found, loss_bad)

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ._hostcopy import HostCopy
+from .overflow import display_origin
 
 if TYPE_CHECKING:
     from .scaler import DynamicLossScaler
@@ -30,6 +31,7 @@ __all__ = [
     "SkipWatch",
     "TelemetryWatch",
     "collapse_message",
+    "nonfinite_flags",
 ]
 
 _MAX_NAMES = 8  # parameter names kept for an overflow report
@@ -102,29 +104,26 @@ class ParameterNames:
                     yield self.name(param, optimizer), local(param.grad)
 
 
-def _nonfinite_flags(grads: list[torch.Tensor]) -> torch.Tensor:
-    """One bool per gradient, in order: does it hold inf/NaN? One `_foreach_norm` (max-norm, which is
-    inf/NaN exactly when an element is) per device and dtype instead of three ops per tensor."""
+def nonfinite_flags(grads: list[torch.Tensor]) -> torch.Tensor:
+    """One bool per gradient, in order, on the first one's device: does it hold inf/NaN? One
+    `_foreach_norm` (max-norm: inf/NaN exactly when an element is) per device and dtype, instead of a
+    few ops per tensor; an empty gradient counts as finite. No host sync."""
     from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
     first = grads[0].device
-    out = torch.zeros(len(grads), dtype=torch.bool, device=first)  # an empty gradient is finite
-    dense = [g if not g.is_sparse else g.coalesce()._values() for g in grads]
-    keep = [i for i, g in enumerate(dense) if g.numel()]
-    if len(keep) < len(dense):
-        if not keep:
-            return out
-        out[torch.tensor(keep, device=first)] = _nonfinite_flags([dense[i] for i in keep])
+    out = torch.zeros(len(grads), dtype=torch.bool, device=first)
+    dense = [g.coalesce()._values() if g.is_sparse else g for g in grads]
+    keep = [i for i, g in enumerate(dense) if g.numel()]  # max-norm has no identity for an empty tensor
+    if not keep:
         return out
     with torch.no_grad():
-        grouped = _group_tensors_by_device_and_dtype([dense], with_indices=True)
+        grouped = _group_tensors_by_device_and_dtype([[dense[i] for i in keep]], with_indices=True)
         for (device, _), ([tensors], indices) in grouped.items():
             if device.type in ("cpu", "cuda"):
                 norms = torch.stack(torch._foreach_norm(tensors, float("inf")))
             else:
                 norms = torch.stack([t.abs().amax() for t in tensors])
-            index = torch.tensor(indices, device=first)
-            out[index] = ~torch.isfinite(norms.to(first))
+            out[torch.tensor([keep[j] for j in indices], device=first)] = ~torch.isfinite(norms.to(first))
     return out
 
 
@@ -222,7 +221,7 @@ class SkipWatch(ScalerObserver):
         if not params:
             return
         if nonfinite is None:
-            nonfinite = _nonfinite_flags([local(p.grad) for p in params])
+            nonfinite = nonfinite_flags([local(p.grad) for p in params])
         self._pending.append((HostCopy(nonfinite), optimizer, params))
         del self._pending[:-_MAX_PENDING_NAMES]
 
@@ -317,7 +316,7 @@ def collapse_message(scaler: DynamicLossScaler, consecutive: int, params: list[s
     nonfinite_loss = min(scaler.state["consecutive_nonfinite_loss"].item(), consecutive)
     origin = scaler.overflow_origin or {}
     name = origin.get("origin")
-    where = "the model's own forward (outside its submodules)" if name == "" else f"`{name}`"
+    where = display_origin(name)
     if origin.get("kind") == "forward" and name is not None:
         remedy = (
             f"Run it in FP32: fp32_modules=['{name}'] (--loss_scale_fp32_modules / HF_LOSSSCALE_FP32_MODULES), "

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import scaler_step as _step
 from tiny_models import tiny_bert_classifier, tiny_classification_dataset
 
 from hf_lossscale import DynamicLossScaler, LossScaleCollapseError, LossScaleConfig, fp16_emulation
@@ -50,18 +51,6 @@ def loss_fn(model, b):
 
 
 # ---------------------------------------------------------------------- the scaler: forward vs backward
-def _step(scaler, model, opt, *, loss_nan=False, grad_inf=False):
-    loss = model(torch.randn(3, 4)).pow(2).mean()
-    if loss_nan:
-        loss = loss + torch.tensor(float("nan"))  # a non-finite loss whose gradients are finite
-    scaler.scale(loss).backward()
-    if grad_inf:
-        model.weight.grad[0, 0] = float("inf")
-    scaler.step(opt)
-    scaler.update()
-    opt.zero_grad()
-
-
 @pytest.mark.parametrize("fused", [False, True])
 def test_nonfinite_loss_skips_even_with_finite_gradients_and_spares_the_scale(fused):
     """Bug caught: the loss flag not folded into the skip decision (a NaN loss with finite gradients
@@ -542,3 +531,33 @@ def test_replay_draws_the_training_steps_dropout_masks():
     assert torch.equal(torch.get_rng_state(), after_training)  # training's stream untouched
     find_overflow_origin(model, [x], lambda m, b: m(b).sum(), scale=1.0)
     assert not torch.equal(seen[-1], seen[0])  # without the state: other masks
+
+
+def test_trainer_resume_keeps_the_modules_auto_moved(tmp_path):
+    """Through the Trainer's own checkpoint: a run resumed from it runs the modules "auto" moved in FP32
+    from its first step (no skip, no new move). Bug caught: the scaler state's `fp32_modules` saved but
+    not re-applied on resume, so every resume pays the forward overflows again."""
+    from hf_lossscale import LossScaleTrainer, LossScaleTrainingArguments
+    from hf_lossscale.events import read_events
+
+    def trainer_for(max_steps):
+        model, _ = overflowing_bert()
+        targs = LossScaleTrainingArguments(
+            str(tmp_path), fp16=True, max_steps=max_steps, per_device_train_batch_size=8, learning_rate=1e-3,
+            logging_steps=1, report_to=[], save_strategy="steps", save_steps=4, disable_tqdm=True,
+            loss_scale_fp32_modules="auto",
+        )  # fmt: skip
+        return LossScaleTrainer(model=model, args=targs, train_dataset=tiny_classification_dataset())
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer_for(4).train()
+        resumed = trainer_for(6)
+        resumed.train(resume_from_checkpoint=True)
+    assert fp32_module_names(resumed.model) == ["bert.encoder.layer.1.attention.self"]
+    events = read_events(tmp_path / "loss_scale_log.jsonl")
+    start = max(i for i, e in enumerate(events) if e["event"] == "run_start")
+    after = events[start:]
+    assert after[0]["resumed"] and after[0]["fp32_modules"] == ["bert.encoder.layer.1.attention.self"]
+    assert not [e for e in after if e["event"] in ("overflow", "fp32_module_added")]
+    assert resumed.loss_scaler.stats()["skipped_steps"] == 2  # the first run's two, none after

@@ -7,23 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_models import scaler_step
 
 from hf_lossscale import DynamicLossScaler, LossScaleConfig
 from hf_lossscale.scaler_observers import ScalerObserver
 from hf_lossscale.scaler_state import FIELDS, ScalerState
 
 OLD_STATE = Path(__file__).parent / "data" / "scaler_state_v1.pt"
-
-
-def _iteration(scaler, model, opt, overflow: bool) -> None:
-    """One step; `overflow` puts an inf in a gradient (a backward overflow: the loss stays finite)."""
-    loss = model(torch.randn(3, 4)).pow(2).mean()
-    scaler.scale(loss).backward()
-    if overflow:
-        model.weight.grad[0, 0] = float("inf")
-    scaler.step(opt)
-    scaler.update()
-    opt.zero_grad()
 
 
 def test_checkpoint_written_before_the_state_split_loads_and_continues():
@@ -50,7 +40,7 @@ def test_checkpoint_written_before_the_state_split_loads_and_continues():
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     for overflow, expected in zip(saved["next_overflows"], saved["stats_after"], strict=True):
-        _iteration(scaler, model, opt, bool(overflow))
+        scaler_step(scaler, model, opt, grad_inf=bool(overflow))
         stats = scaler.stats()
         assert {k: stats[k] for k in expected} == expected
         assert stats["nonfinite_loss_steps"] == 0  # its overflows are in the gradients, the loss is finite
@@ -104,8 +94,8 @@ def test_observer_is_called_at_fixed_points():
     scaler = DynamicLossScaler(init_scale=2.0**4)
     rec = Recorder()
     scaler.observers.append(rec)
-    _iteration(scaler, model, plain, overflow=True)
-    _iteration(scaler, model, fused, overflow=False)
+    scaler_step(scaler, model, plain, grad_inf=True)
+    scaler_step(scaler, model, fused, grad_inf=False)
     loss = model(torch.randn(3, 4)).pow(2).mean()
     scaler.scale(loss).backward()
     scaler.clip_grad_norm_(plain, 1.0)
@@ -129,7 +119,7 @@ def test_without_observers_nothing_is_named_or_polled():
     scaler = DynamicLossScaler(init_scale=2.0**4, max_consecutive_skips=2, min_scale=1.0)
     scaler.observers.clear()
     for _ in range(4):
-        _iteration(scaler, model, opt, overflow=True)
+        scaler_step(scaler, model, opt, grad_inf=True)
     assert scaler.stats()["consecutive_skips"] == 4
     assert scaler.get_scale() == 1.0
     assert scaler.overflow_params == []
@@ -148,7 +138,7 @@ def test_collapse_still_raised_through_the_observer(mode):
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = DynamicLossScaler(mode=mode, init_scale=2.0**4, max_consecutive_skips=3)
     scaler.set_parameter_names(model)
-    _iteration(scaler, model, opt, overflow=True)
-    _iteration(scaler, model, opt, overflow=True)
+    scaler_step(scaler, model, opt, grad_inf=True)
+    scaler_step(scaler, model, opt, grad_inf=True)
     with pytest.raises(LossScaleCollapseError, match=r"3 optimizer steps in a row.*weight"):
-        _iteration(scaler, model, opt, overflow=True)
+        scaler_step(scaler, model, opt, grad_inf=True)
