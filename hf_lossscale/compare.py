@@ -39,6 +39,7 @@ SETTINGS: dict[str, str] = {
     "dynamic": "FP16 + dynamic scaling",
     "static": "FP16 + static scale",
     "off": "FP16, scaling off",
+    "bf16": "BF16 (no scaler)",
 }
 #: Each run's record (command, exit status, wall time), written when it ends; `--reuse_finished` reads it.
 RUN_RECORD = "run.json"
@@ -70,6 +71,8 @@ def setting_flags(
     only where given: the scaler's defaults otherwise)."""
     if setting == "fp32":
         return []
+    if setting == "bf16":  # autocast to bfloat16 (native on CPU and CUDA), FP32 weights, no scaler
+        return ["--bf16"] if _cuda_available() else ["--bf16", "--use_cpu", "true"]
     flags = ["--fp16", "--loss_scale_mode", setting, "--loss_scale_fp16_on_cpu", fp16_on_cpu]
     if setting == "static":
         flags += ["--loss_scale_init", repr(float(static_scale))]
@@ -80,6 +83,17 @@ def setting_flags(
     if setting == "dynamic" and dynamic_growth_interval is not None:
         flags += ["--loss_scale_growth_interval", str(dynamic_growth_interval)]
     return flags
+
+
+def _cuda_available() -> bool:
+    """Whether the runs get a GPU: transformers refuses `--bf16` on a CPU without `--use_cpu`."""
+    import torch
+
+    return torch.cuda.is_available()
+
+
+#: The settings that run FP16 (the flushed-fraction probe measures FP16's number line).
+FP16_SETTINGS = ("dynamic", "static", "off")
 
 
 @dataclass
@@ -94,7 +108,7 @@ class RunResult:
     returncode: int | None = None
     wall_s: float = 0.0
     train_runtime_s: float | None = None
-    fp16: str | None = None  # "emulated", "native-cpu", "cuda"; None for FP32
+    fp16: str | None = None  # "emulated", "native-cpu", "cuda", "BF16 native"; None for FP32
     steps: list[int] = field(default_factory=list)
     train_loss: list[float] = field(default_factory=list)
     loss_scale: list[float | None] = field(default_factory=list)
@@ -121,7 +135,8 @@ def parse_events(result: RunResult, events: list[dict[str, Any]]) -> None:
     for e in events:
         kind = e.get("event")
         if kind == "run_start":
-            result.fp16 = e.get("fp16")
+            # how the low precision ran: FP16 "emulated"/"native-cpu"/"cuda"; BF16 autocast is always native
+            result.fp16 = "BF16 native" if e.get("mixed_precision") == "bf16" else e.get("fp16")
         elif kind == "log":
             if "eval_loss" in e:
                 entry = {k: v for k, v in e.items() if k.startswith("eval_") or k == "step"}
@@ -210,7 +225,7 @@ def run_one(
         *setting_flags(setting, opts.static_scale, opts.fp16_on_cpu, getattr(opts, "dynamic_init_scale", None),
                        getattr(opts, "dynamic_growth_interval", None)),
     ]  # fmt: skip
-    if setting != "fp32" and opts.flushed_probe:
+    if setting in FP16_SETTINGS and opts.flushed_probe:
         flags.append("--loss_scale_measure_flushed")
     command = [*launch_prefix(opts.launcher, opts.launch_config), script, *script_args, *flags]
     result = RunResult(setting=setting, seed=seed, output_dir=str(run_dir), command=command)
@@ -655,7 +670,7 @@ def write_plots(results: list[RunResult], opts: argparse.Namespace, out: Path) -
 
     from .report import plot_scale
 
-    colors = {"fp32": "black", "dynamic": "tab:blue", "static": "tab:red", "off": "tab:orange"}
+    colors = {"fp32": "black", "dynamic": "tab:blue", "static": "tab:red", "off": "tab:orange", "bf16": "tab:green"}
 
     def style(seed: int) -> str:  # one line style per seed, in the order given
         return _LINESTYLES[opts.seeds.index(seed) % len(_LINESTYLES)] if seed in opts.seeds else "-"
@@ -681,7 +696,7 @@ def write_plots(results: list[RunResult], opts: argparse.Namespace, out: Path) -
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     records = [asdict(r) for r in results]
-    for setting in ("dynamic", "off"):  # the static storm's gap (several nats) would flatten these
+    for setting in ("dynamic", "off", "bf16"):  # the static storm's gap (several nats) would flatten these
         for seed, points in verdict.gap_curves(records, setting).items():
             if points:
                 ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", color=colors[setting],
@@ -692,6 +707,8 @@ def write_plots(results: list[RunResult], opts: argparse.Namespace, out: Path) -
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for r in results:
+        if r.setting not in FP16_SETTINGS:
+            continue
         plot_scale(ax, r.steps, r.loss_scale, r.skipped_at, color=colors[r.setting],
                    label=f"{SETTINGS[r.setting]} (seed {r.seed})")  # fmt: skip
     written.append(save(fig, ax, "loss_scale.png", "loss scale (x = skipped step)", "Loss scale per step"))

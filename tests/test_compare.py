@@ -85,7 +85,7 @@ def test_runner_refuses_flags_it_owns_and_bad_options(tmp_path):
     for bad, match in [
         (dict(script_args=["--fp16"]), r"\['--fp16'\] are set by the runner"),
         (dict(script_args=["--seed=3"]), r"\['--seed'\]"),
-        (dict(script_args=[], settings="fp32,bf16"), r"unknown \['bf16'\]"),
+        (dict(script_args=[], settings="fp32,fp8"), r"unknown \['fp8'\]"),
         (dict(script_args=[], max_steps=0), "at least 1"),
         (dict(script_args=[], static_scale=float("inf")), "positive finite"),
         (dict(script_args=[], script=str(tmp_path / "nope.py")), "No script"),
@@ -166,6 +166,12 @@ def test_compare_end_to_end_tiny(tmp_path, capsys):
         assert recorded["final_eval"]["eval_loss"] == final_eval["eval_loss"]
         if setting == "fp32":
             assert cell["FP16"] == "—" and cell["skipped steps"] == "—"
+            continue
+        if setting == "bf16":  # autocast to bfloat16 really ran (not FP32 under another name), no scaler
+            start = next(e for e in run if e["event"] == "run_start")
+            assert start["mixed_precision"] == "bf16" and start["loss_scale_config"] is None
+            assert cell["FP16"] == "BF16 native" and cell["skipped steps"] == "—" and cell["final scale"] == "—"
+            assert cell["flushed (start)"] == "—"  # the FP16 probe is not run for BF16
             continue
         end = next(e for e in run if e["event"] == "run_end")
         assert cell["skipped steps"] == f"{end['skipped_steps']}/{end['total_steps']}"
