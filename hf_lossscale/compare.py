@@ -670,7 +670,13 @@ def write_plots(results: list[RunResult], opts: argparse.Namespace, out: Path) -
 
     from .report import plot_scale
 
-    colors = {"fp32": "black", "dynamic": "tab:blue", "static": "tab:red", "off": "tab:orange", "bf16": "tab:green"}
+    colors = {
+        "fp32": "black",
+        "dynamic": "tab:blue",
+        "static": "tab:red",
+        "off": "tab:orange",
+        "bf16": "tab:green",
+    }
 
     def style(seed: int) -> str:  # one line style per seed, in the order given
         return _LINESTYLES[opts.seeds.index(seed) % len(_LINESTYLES)] if seed in opts.seeds else "-"

@@ -8,13 +8,15 @@ back to the host. `step()` costs no host synchronisation with optimizers that ta
 
 from __future__ import annotations
 
+import inspect
 import math
+import warnings
 from collections import abc, defaultdict
 from collections.abc import Iterable
-from enum import Enum
 from typing import Any
 
 import torch
+from torch.amp.grad_scaler import OptState  # torch's stages: third-party code compares against them
 
 from ._gradnorm import total_norm
 from .config import SCALE_MAX, SCALE_MIN, LossScaleConfig
@@ -33,17 +35,16 @@ __all__ = ["DynamicLossScaler", "LossScaleCollapseError", "OptState", "STATE_FOR
 _MAX_NAMES = 8  # parameter names shown in the FP16-parameter error
 
 
-class OptState(Enum):
-    READY = 0
-    UNSCALED = 1
-    STEPPED = 2
-
-
 def _fresh_optimizer_state() -> dict[str, Any]:
+    """An optimizer's per-iteration record, equal to torch's `_refresh_per_optimizer_state()`."""
     return {"stage": OptState.READY, "found_inf_per_device": {}}
 
 
-class DynamicLossScaler:
+# Why a subclass of torch's GradScaler: code that takes "a GradScaler" checks it with isinstance
+# (torch's optimizers that take `grad_scaler=`, type-checked training loops), and a drop-in must pass.
+# Nothing of torch's implementation runs: __init__ is not called and every method torch's class
+# defines is overridden here (tests/test_torch_gradscaler_contract.py holds that to the list).
+class DynamicLossScaler(torch.amp.GradScaler):
     """Loss scaler with a floor, a ceiling, hysteresis, static and off modes, and skip counters.
 
     It keeps `torch.amp.GradScaler`'s methods and call order (`scale`, `unscale_`, `step`,
@@ -97,7 +98,7 @@ class DynamicLossScaler:
         **overrides: Any,
     ) -> None:
         if config is None:
-            config = LossScaleConfig(**_check_overrides(overrides))
+            config = LossScaleConfig(**_torch_ceiling(_check_overrides(overrides)))
         elif not isinstance(config, LossScaleConfig):
             raise TypeError(f"config must be a LossScaleConfig, got {type(config).__name__}.")
         elif overrides:
@@ -192,6 +193,34 @@ class DynamicLossScaler:
     def _scale(self) -> torch.Tensor | None:
         return self.state["scale"] if self.state.materialised else None
 
+    @property
+    def _enabled(self) -> bool:
+        return self.is_enabled()
+
+    @property
+    def _growth_tracker(self) -> torch.Tensor | None:
+        return self.state["_growth_tracker"] if self.state.materialised else None
+
+    @property
+    def _init_growth_tracker(self) -> int:
+        """torch's name for the growth tracker a scaler starts from: here the current one (a sync)."""
+        return self._get_growth_tracker()
+
+    @_init_growth_tracker.setter
+    def _init_growth_tracker(self, value: int) -> None:
+        if self.state.materialised:
+            self.state["_growth_tracker"].fill_(int(value))
+        else:
+            self.state.host["_growth_tracker"] = int(value)
+
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device | str) -> None:
+        if not self.state.materialised:
+            self.state.materialise(torch.device(dev))
+
+    def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
+        self._require_init(funcname)
+        return self._scale, self.state["_growth_tracker"]
+
     def _require_init(self, funcname: str) -> None:
         if not self.state.materialised:
             raise RuntimeError(
@@ -254,7 +283,7 @@ class DynamicLossScaler:
         return self._loss_finite
 
     # ------------------------------------------------------------------ unscale / check
-    def _grads_by_device_and_dtype(self, optimizer: torch.optim.Optimizer):
+    def _grads_by_device_and_dtype(self, optimizer: torch.optim.Optimizer, allow_fp16: bool = False):
         grouped: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
             lambda: defaultdict(list)
         )
@@ -263,7 +292,7 @@ class DynamicLossScaler:
             for param in group["params"]:
                 if param.grad is None:
                     continue
-                if param.dtype == torch.float16:
+                if param.dtype == torch.float16 and not allow_fp16:
                     fp16_params.append(self.parameter_names.name(param, optimizer))
                     continue
                 grad = param.grad
@@ -285,26 +314,43 @@ class DynamicLossScaler:
         return grouped
 
     def _unscale_grads_(
-        self, optimizer: torch.optim.Optimizer, inv_scale: torch.Tensor
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor | None = None,
+        allow_fp16: bool | None = None,
     ) -> dict[torch.device, torch.Tensor]:
-        """Unscale in place and fill one found-inf flag per device (no host sync)."""
+        """Unscale in place and fill one found-inf flag per device (no host sync).
+
+        With torch's arguments (`found_inf`, `allow_fp16`, as `GradScaler._unscale_grads_` takes them,
+        for code that calls it) the flags accumulate into `found_inf` (a copy of it on other
+        devices) without this iteration's loss flag, and `allow_fp16=True` unscales gradients of
+        FP16 parameters too; by default FP16 parameters are refused with an explanation.
+        """
         found: dict[torch.device, torch.Tensor] = {}
         inv: dict[torch.device, torch.Tensor] = {}
+
+        def flag_for(device: torch.device) -> torch.Tensor:
+            if found_inf is None:
+                return self._initial_found(device)
+            return found_inf if found_inf.device == device else found_inf.to(device, non_blocking=True)
+
         for observer in self.observers:
             observer.before_unscale(self, optimizer)
         with torch.no_grad():
-            for device, per_dtype in self._grads_by_device_and_dtype(optimizer).items():
+            for device, per_dtype in self._grads_by_device_and_dtype(optimizer, bool(allow_fp16)).items():
                 if device not in found:
-                    found[device] = self._initial_found(device)
+                    found[device] = flag_for(device)
                     inv[device] = inv_scale.to(device, non_blocking=True)
                 for grads in per_dtype.values():
                     torch._amp_foreach_non_finite_check_and_unscale_(grads, found[device], inv[device])
         if not found:  # no gradients at all: record the loss's check on the scale's device
-            found[self._scale.device] = self._initial_found(self._scale.device)
+            home = self._scale.device if self._scale is not None else inv_scale.device
+            found[home] = flag_for(home)
         if self._found_inf_group is not None:
             import torch.distributed as dist
 
-            flag = torch.stack([f.to(self._scale.device) for f in found.values()]).amax()
+            flag = torch.stack([f.reshape(()).to(self._scale.device) for f in found.values()]).amax()
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._found_inf_group)
             found = {flag.device: flag}
         return found
@@ -337,6 +383,9 @@ class DynamicLossScaler:
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
         return found
 
+    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+        return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+
     def _found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         flags = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
         return sum(f.to(self._scale.device, non_blocking=True) for f in flags)
@@ -362,6 +411,20 @@ class DynamicLossScaler:
             return self._step_clamping(optimizer, state, args, kwargs)
 
         if getattr(optimizer, "_step_supports_amp_scaling", False):
+            if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+                # torch's older contract, which it still honours: the optimizer gets the scaler and
+                # does the rest itself (checks, unscaling, skipping)
+                warnings.warn(
+                    "DynamicLossScaler passes itself to optimizer.step(grad_scaler=...) as torch.amp.GradScaler "
+                    "does; torch is dropping that contract: read `optimizer.grad_scale` and `optimizer.found_inf` "
+                    "instead.",
+                    FutureWarning,
+                    stacklevel=2,
+                )
+                self._before_step(optimizer, None)
+                retval = optimizer.step(*args, **{**kwargs, "grad_scaler": self})
+                state["stage"] = OptState.STEPPED
+                return retval
             if state["stage"] is OptState.READY:
                 self._check_inf_per_device(optimizer)
                 grad_scale = self._scale * getattr(optimizer, "grad_scale", 1)
@@ -399,6 +462,14 @@ class DynamicLossScaler:
         state["host_skipped"] = skipped
         state["stage"] = OptState.STEPPED
         return retval
+
+    def _maybe_opt_step(
+        self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        """torch's helper: step unless a found-inf flag is set (reads the flags: one host sync)."""
+        if not sum(v.item() for v in optimizer_state["found_inf_per_device"].values()):
+            return optimizer.step(*args, **kwargs)
+        return None
 
     def _step_clamping(
         self, optimizer: torch.optim.Optimizer, state: dict[str, Any], args: tuple, kwargs: dict
@@ -745,11 +816,22 @@ class DynamicLossScaler:
         a warning, and a restored scale outside `[min_scale, max_scale]` is clamped with a warning.
         A malformed state raises `ValueError` naming the missing or wrong keys.
         """
-        self.state.load_state_dict(state_dict, self.config)
+        self.config = self.state.load_state_dict(state_dict, self.config)
         self._iteration = self.state.host["total_steps"]  # telemetry keeps its cadence across a resume
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
         for observer in self.observers:
             observer.on_state_loaded(self)
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self.is_enabled() and self._per_optimizer_states:
+            raise RuntimeError(
+                "A DynamicLossScaler can be pickled only between iterations (before scale() or after update()), "
+                "as torch.amp.GradScaler."
+            )
+        return self.__dict__.copy()
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
 
     def __repr__(self) -> str:
         return f"DynamicLossScaler({self.config!r}, device={self.device})"
@@ -798,6 +880,18 @@ def _mul_grads_(grouped: dict, factor: torch.Tensor, foreach: bool | None) -> No
             else:
                 for g in grads:
                     g.mul_(f)
+
+
+def _torch_ceiling(overrides: dict[str, Any]) -> dict[str, Any]:
+    """torch's `GradScaler(init_scale=...)` has no ceiling: given an `init_scale` above the default
+    `max_scale` and no `max_scale`, the ceiling rises to it (growth then stays at that scale, as torch's
+    leaves a scale whose growth would overflow)."""
+    init = overrides.get("init_scale")
+    default = LossScaleConfig.__dataclass_fields__["max_scale"].default
+    if "max_scale" not in overrides and isinstance(init, (int, float)) and not isinstance(init, bool):
+        if math.isfinite(init) and init > default:
+            return {**overrides, "max_scale": float(init)}
+    return overrides
 
 
 def _check_overrides(overrides: dict[str, Any]) -> dict[str, Any]:

@@ -121,16 +121,21 @@ class ScalerState:
             "format_version": STATE_FORMAT_VERSION,
         }
 
-    def load_state_dict(self, state_dict: dict[str, Any], config: LossScaleConfig) -> None:
-        """Take the values of a state written by `state_dict()` or by `torch.amp.GradScaler`.
+    def load_state_dict(self, state_dict: dict[str, Any], config: LossScaleConfig) -> LossScaleConfig:
+        """Take the values of a state written by `state_dict()` or by `torch.amp.GradScaler`, and
+        return the config to run with.
 
-        `config` stays in force: where the checkpoint's config differs a warning names the fields, a
-        scale outside `[min_scale, max_scale]` is clamped with a warning, static and off modes keep
-        their own scale. A malformed state raises `ValueError` naming the missing or wrong keys.
+        The growth factor, backoff factor and growth interval come back from the state, as
+        `torch.amp.GradScaler.load_state_dict` restores them (a warning names those that change);
+        the rest of `config` stays in force: where the checkpoint's config differs a warning names
+        the fields, a scale outside `[min_scale, max_scale]` is clamped with a warning, static and
+        off modes keep their own scale. A malformed state raises `ValueError` naming the missing or
+        wrong keys.
         """
         state = validate_state_dict(state_dict)
         #: Modules `fp32_modules="auto"` moved to FP32 in the run that wrote the state.
         self.fp32_modules = state.pop("fp32_modules")
+        config = _restore_torch_fields(state_dict, config)
         _warn_config_differs(state.pop("config", None), state_dict, config)
         state["scale"] = _scale_for(config, state["scale"])
         if state["_hysteresis_tracker"] is None or state["_hysteresis_tracker"] > config.hysteresis:
@@ -138,6 +143,26 @@ class ScalerState:
         self.host = state
         if self.tensors is not None:
             self.materialise(self.device)
+        return config
+
+
+def _restore_torch_fields(state_dict: dict[str, Any], config: LossScaleConfig) -> LossScaleConfig:
+    """`config` with the fields torch's state carries (`_CONFIG_KEYS`) taken from the state."""
+    restored = {k: state_dict[k] for k in _CONFIG_KEYS if k in state_dict}
+    changed = {k: v for k, v in restored.items() if v != getattr(config, k)}
+    if not changed:
+        return config
+    try:
+        new = config.replace(**changed)
+    except ValueError as e:
+        raise ValueError(f"Loss-scaler state: {e}") from None
+    warnings.warn(
+        f"Restored from the loss-scaler state, as torch.amp.GradScaler does: {changed} (the config had "
+        f"{ {k: getattr(config, k) for k in changed} }). Call set_growth_factor/set_backoff_factor/"
+        "set_growth_interval after loading to change them.",
+        stacklevel=4,
+    )
+    return new
 
 
 def _warn_config_differs(

@@ -170,7 +170,9 @@ def test_compare_end_to_end_tiny(tmp_path, capsys):
         if setting == "bf16":  # autocast to bfloat16 really ran (not FP32 under another name), no scaler
             start = next(e for e in run if e["event"] == "run_start")
             assert start["mixed_precision"] == "bf16" and start["loss_scale_config"] is None
-            assert cell["FP16"] == "BF16 native" and cell["skipped steps"] == "—" and cell["final scale"] == "—"
+            assert (
+                cell["FP16"] == "BF16 native" and cell["skipped steps"] == "—" and cell["final scale"] == "—"
+            )
             assert cell["flushed (start)"] == "—"  # the FP16 probe is not run for BF16
             continue
         end = next(e for e in run if e["event"] == "run_end")
