@@ -100,15 +100,18 @@ def _by_seed(runs: Iterable[Any], setting: str) -> dict[int, Any]:
     return {_get(r, "seed"): r for r in runs if _get(r, "setting") == setting}
 
 
-def paired_verdict(runs: list[Any], setting: str, metric: str = "eval_loss") -> dict[str, Any]:
-    """The paired comparison of `setting` with FP32 on `metric` (see `RULES["paired"]`).
+def paired_verdict(
+    runs: list[Any], setting: str, metric: str = "eval_loss", baseline: str = "fp32"
+) -> dict[str, Any]:
+    """The paired comparison of `setting` with FP32 (or another `baseline` setting, e.g. BF16 against
+    FP16 + dynamic scaling) on `metric` (see `RULES["paired"]`).
 
     Returns a dict with `gaps` (per seed, setting - FP32, in seed order), `seeds`, `n`, `mean`,
     `sd`, `interval` (95% t-interval, n >= 2), `sign` ("+"/"-"/"mixed"), `verdict` ("worse",
     "better", "no measurable difference", "too few seeds", "no baseline" or "diverged"), and the
     unpaired reference `unpaired_gap` / `seed_spread`.
     """
-    fp32, other = _by_seed(runs, "fp32"), _by_seed(runs, setting)
+    fp32, other = _by_seed(runs, baseline), _by_seed(runs, setting)
     out: dict[str, Any] = {"setting": setting, "metric": metric, "gaps": [], "seeds": [], "n": 0}
     nonfinite = [s for s, r in other.items() if (v := _final(r, metric)) is not None and not math.isfinite(v)]
     if nonfinite:

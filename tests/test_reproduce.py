@@ -122,6 +122,30 @@ def test_table_verdicts_are_paired():
     assert two["off"]["verdict"] == "too few seeds"
 
 
+def test_bf16_is_judged_against_fp32_and_against_fp16_dynamic():
+    """BF16 gets the paired verdict against FP32 like every setting, and its own line against FP16
+    + dynamic scaling (the choice a user makes), gaps BF16 - FP16 per seed. Bug caught: BF16 left
+    out of the verdicts, or set against FP32 where the line says FP16."""
+    result = synthetic({
+        "fp32": [0.900, 0.930, 0.915], "dynamic": [0.901, 0.929, 0.915], "bf16": [0.896, 0.926, 0.910],
+    })  # fmt: skip
+    found = {v["setting"]: v for v in table.verdicts(result)}
+    assert found["bf16"]["verdict"] == "worse" and found["bf16"]["gaps"] == pytest.approx(
+        [-0.004, -0.004, -0.005]
+    )
+    against = table.bf16_against_dynamic(result)
+    assert against["gaps"] == pytest.approx([-0.005, -0.003, -0.005]) and against["verdict"] == "worse"
+    text = table.render(result)
+    assert (
+        "- BF16 against FP16 + dynamic scaling: paired accuracy (%) gap (BF16 - FP16) -0.50, -0.30, -0.50"
+        in text
+    )
+    assert "**BF16 worse**" in text
+    assert (
+        table.bf16_against_dynamic(synthetic({"fp32": [0.9], "bf16": [0.9]})) is None
+    )  # no FP16 run: no line
+
+
 def test_table_rows_and_readme_block(tmp_path):
     result = synthetic({"fp32": [0.900, 0.905], "dynamic": [0.902, 0.899], "off": [0.880, 0.885]})
     text = table.render(result)
@@ -231,7 +255,8 @@ def test_per_seed_streams_merge_into_one_results_file(tmp_path):
         (1, "fp32"),
         (1, "off"),
     ]
-    assert merged["run_command"].endswith("--seeds 0 1") and merged["wall_s"] == 1200.0
+    assert merged["run_command"] == "python benchmarks/reproduce/run.py b --seeds 0 1 --settings fp32,off"
+    assert merged["wall_s"] == 1200.0
     run.merge_results(path, stream(0))  # the same seed again replaces its runs, keeps the other seed's
     assert len(json.loads(path.read_text())["runs"]) == 4
     run.merge_results(path, stream(2, lr="1e-3"))  # another configuration: the old runs go
@@ -248,9 +273,15 @@ def test_streams_of_other_settings_merge_too(tmp_path):
         result["command"] = (
             f"hf-lossscale compare x --settings {settings} --seeds {seed} -- --learning_rate 1e-3"
         )
-        result["run_command"] = f"python benchmarks/reproduce/run.py b --seeds {seed}"
+        result["run_command"] = f"python benchmarks/reproduce/run.py b --settings {settings} --seeds {seed}"
         run.merge_results(path, result)
-    assert sorted(r["setting"] for r in json.loads(path.read_text())["runs"]) == ["dynamic", "fp32", "off"]
+    merged = json.loads(path.read_text())
+    assert sorted(r["setting"] for r in merged["runs"]) == ["dynamic", "fp32", "off"]
+    # the published command reruns every setting held, not the last stream's (a BF16-only stream
+    # merged into FP32/FP16 runs must not advertise a command that makes BF16 alone)
+    assert (
+        merged["run_command"] == "python benchmarks/reproduce/run.py b --settings fp32,dynamic,off --seeds 0"
+    )
 
 
 def test_merged_reproduction_command_keeps_every_argument():

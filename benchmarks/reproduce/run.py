@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+from hf_lossscale.compare import SETTINGS
 from hf_lossscale.files import atomic_write_text
 
 HERE = Path(__file__).resolve().parent
@@ -309,6 +310,8 @@ def merge_results(path: Path, result: dict) -> Path:
             result["wall_s"] += old.get("wall_s", 0.0)
             seeds = sorted({r["seed"] for r in result["runs"]})
             result["run_command"] = with_seeds(result["run_command"], seeds)
+            settings = [s for s in SETTINGS if any(r["setting"] == s for r in result["runs"])]
+            result["run_command"] = with_option(result["run_command"], "--settings", [",".join(settings)])
         elif old is not None:
             print(f"{path}: its runs came from another configuration; replacing them.")
         atomic_write_text(path, json.dumps(result, indent=1) + "\n")
@@ -318,17 +321,22 @@ def merge_results(path: Path, result: dict) -> Path:
 def with_seeds(command: str, seeds: list[int]) -> str:
     """`command` with its `--seeds` values replaced by `seeds` (added if absent); every other word,
     those after `--` included, kept in place."""
+    return with_option(command, "--seeds", list(map(str, seeds)))
+
+
+def with_option(command: str, option: str, values: list[str]) -> str:
+    """`command` with the values of this script's `option` replaced by `values` (added if absent)."""
     words = shlex.split(command)
     cut = words.index("--") if "--" in words else len(words)
     own, rest = words[:cut], words[cut:]
-    if "--seeds" in own:
-        i = own.index("--seeds")
+    if option in own:
+        i = own.index(option)
         j = i + 1
         while j < len(own) and not own[j].startswith("--"):
             j += 1
-        own[i + 1 : j] = map(str, seeds)
+        own[i + 1 : j] = values
     else:
-        own += ["--seeds", *map(str, seeds)]
+        own += [option, *values]
     return shlex.join(own + rest)
 
 

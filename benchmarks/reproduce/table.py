@@ -43,7 +43,7 @@ def verdicts(result: dict) -> list[dict]:
     if not any(r["setting"] == "fp32" for r in runs):
         return []
     out = []
-    for setting in ("dynamic", "static", "off"):
+    for setting in ("dynamic", "static", "off", "bf16"):
         if not any(r["setting"] == setting for r in runs):
             continue
         found = verdict.curve_finding(runs, setting, metric)
@@ -53,6 +53,30 @@ def verdicts(result: dict) -> list[dict]:
             entry["perplexity_ratio"] = [math.exp(g) for g in entry["gaps"]]
         out.append(entry)
     return out
+
+
+def bf16_against_dynamic(result: dict) -> dict | None:
+    """BF16's paired comparison with FP16 + dynamic scaling (same seeds): the choice a user makes."""
+    metric = headline(result)
+    runs = [r for r in result["runs"] if r["status"] == "ok"]
+    if not all(any(r["setting"] == s for r in runs) for s in ("bf16", "dynamic")):
+        return None
+    return verdict.paired_verdict(runs, "bf16", metric, baseline="dynamic")
+
+
+def bf16_line(v: dict, shown: str) -> str:
+    """The statement of `bf16_against_dynamic`: which of the two is worse, and by how much."""
+    gaps = ", ".join(_fmt(v["metric"], g, signed=True) for g in v["gaps"])
+    line = f"- BF16 against FP16 + dynamic scaling: paired {shown} gap (BF16 - FP16) {gaps}"
+    if "interval" in v:
+        low, high = v["interval"]
+        line += (
+            f", 95% interval [{_fmt(v['metric'], low, signed=True)}, {_fmt(v['metric'], high, signed=True)}]"
+        )
+    word = {"worse": "BF16 worse", "better": "BF16 better"}.get(v["verdict"], v["verdict"])
+    if v["verdict"] == "too few seeds":
+        word = f"no verdict ({v['n']} seed{'s' if v['n'] > 1 else ''}; the rule needs {verdict.MIN_SEEDS})"
+    return line + f": **{word}**."
 
 
 def verdict_line(v: dict, shown: str) -> str:
@@ -133,6 +157,9 @@ def render(result: dict) -> str:
         spread = f" (seed spread {_fmt(metric, max(fp32) - min(fp32))})" if len(fp32) > 1 else ""
         lines.append(f"FP32 {shown}: {' / '.join(_fmt(metric, v) for v in fp32)}{spread}.")
     lines += [verdict_line(v, shown) for v in verdicts(result)]
+    against = bf16_against_dynamic(result)
+    if against is not None and against["n"]:
+        lines.append(bf16_line(against, shown))
     return "\n".join(lines) + "\n"
 
 
@@ -149,8 +176,9 @@ def render_headline(folder: Path) -> str:
     files = sorted(Path(folder).glob("*.json"), key=lambda p: (p.stem != "sst2", p.stem))
     results = [json.loads(path.read_text()) for path in files]
     settings = ["fp32", "dynamic", "off"]
-    if any(r["setting"] == "static" for result in results for r in result["runs"]):
-        settings.append("static")
+    for extra in ("static", "bf16"):  # a column only where some benchmark ran the setting
+        if any(r["setting"] == extra for result in results for r in result["runs"]):
+            settings.append(extra)
     header = ["benchmark", "metric", *(LABELS[s] for s in settings)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for result in results:
