@@ -212,3 +212,24 @@ def test_forward_overflow_rescaling_keeps_the_fp32_function_bitwise():
         after = model(input_ids=ids).logits
     assert name == "bert.encoder.layer.1.attention.self.query"
     assert torch.equal(before, after)
+
+
+def test_op_count_table_is_exact():
+    """benchmarks/op_count.py's rows, held to the number (the counts are deterministic). Bug caught:
+    a change that adds device ops to the scaler's step (each at least one kernel launch on CUDA)
+    without the table, the README and this test saying so. Torch's column pins the counter itself:
+    a counter that missed ops would show torch's 9 as fewer."""
+    op_count = load("op_count")
+    rows, variants = op_count.table()
+    got = {r["row"]: (r["torch"], r["ours"]) for r in rows}
+    assert got == {
+        "clean step, fused AdamW, no clip": (9, 51),
+        "clean step, fused AdamW, clip": (18, 78),
+        "clean step, foreach AdamW, clip": (18, 84),
+        "around a skipped step (beyond two clean steps), fused, no clip": (0, 10),
+    }
+    assert variants == {
+        "ours, min/max scale": 51,
+        "ours, hysteresis 2": 51,
+        "ours, telemetry every step": 693,
+    }

@@ -1,0 +1,217 @@
+"""Device ops per optimizer step that loss scaling adds, `DynamicLossScaler` against `torch.amp.GradScaler`.
+
+Counted with a `TorchDispatchMode`: every top-level aten op the scaler's calls dispatch, views and
+bare allocations (`empty`, `empty_strided`) left out, the optimizer's own `step()` not counted
+(paused around it). On CUDA each counted op is at least one kernel launch (a `_foreach_` op one
+multi-tensor launch), which is what bounds small models and short steps on a GPU. Deterministic:
+the counts are exact, and `tests/test_benchmarks.py` holds the table's rows to them.
+
+Model: a 20-layer MLP (64 wide), FP32 parameters, one batch per step. Rows:
+
+- clean step, fused AdamW, no clip: `scale` + `step` + `update`;
+- clean step, fused AdamW, clip: torch `unscale_` + `clip_grad_norm_`, ours `clip_grad_norm_`;
+- clean step, foreach AdamW, clip: the same with the foreach optimizer;
+- around a skipped step, fused, no clip: ops of the skipped step and the step after it, minus two
+  clean steps;
+- the variants (min/max scale, hysteresis, telemetry at every step) on the first row.
+
+And the first step of a run (lazy set-up) in milliseconds, at 20M parameters, median of 5 fresh
+runs: ours against torch's, the one timing here.
+
+    python benchmarks/op_count.py [--json benchmarks/results/op_count.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from hf_lossscale import DynamicLossScaler
+
+_NOT_COUNTED = {"empty.memory_format", "empty_strided.default", "lift_fresh.default", "detach.default"}
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts top-level aten ops (views and allocations left out) while not `paused`."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: Counter[str] = Counter()
+        self.paused = False
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = f"{func.overloadpacket.__name__}.{func._overloadname}"
+        if not self.paused and not func.is_view and name not in _NOT_COUNTED:
+            self.ops[name] += 1
+        return func(*args, **(kwargs or {}))
+
+    @property
+    def total(self) -> int:
+        return sum(self.ops.values())
+
+
+def mlp(layers: int = 20, width: int = 64, seed: int = 0) -> torch.nn.Sequential:
+    torch.manual_seed(seed)
+    mods: list[torch.nn.Module] = []
+    for _ in range(layers):
+        mods += [torch.nn.Linear(width, width), torch.nn.Tanh()]
+    return torch.nn.Sequential(*mods)
+
+
+def make_optimizer(kind: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    fused = kind == "fused"
+    return torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused, foreach=not fused)
+
+
+def _pause_in_step(optimizer: torch.optim.Optimizer, counter: OpCounter) -> None:
+    """Leave the optimizer's own ops out: the count pauses inside its `step()`."""
+    original = optimizer.step
+
+    def step(*args, **kwargs):
+        counter.paused = True
+        try:
+            return original(*args, **kwargs)
+        finally:
+            counter.paused = False
+
+    optimizer.step = step
+
+
+def one_step(scaler, model, opt, x, *, clip: bool, ours: bool, inject_inf: bool, counter: OpCounter | None):
+    """Forward and backward uncounted; the scaler's part of one step counted."""
+    opt.zero_grad(set_to_none=True)
+    loss = model(x).pow(2).mean()
+    ctx = counter if counter is not None else contextlib.nullcontext()
+    with ctx:
+        scaled = scaler.scale(loss)
+    scaled.backward()
+    if inject_inf:
+        with torch.no_grad():
+            model[0].weight.grad[0, 0] = float("inf")
+    with ctx:
+        if clip:
+            if ours:
+                scaler.clip_grad_norm_(opt, 1.0)
+            else:
+                scaler.unscale_(opt)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        scaler.step(opt)
+        scaler.update()
+
+
+def count(make_scaler, *, optimizer: str, clip: bool, ours: bool, skip: bool = False) -> int:
+    """Ops the scaler adds to one clean step (after 3 warm-up steps), or, with `skip`, to a skipped
+    step plus the step after it beyond two clean steps."""
+    model, x = mlp(), torch.randn(8, 64, generator=torch.Generator().manual_seed(1))
+    opt = make_optimizer(optimizer, model)
+    scaler = make_scaler()
+    counter = OpCounter()
+    _pause_in_step(opt, counter)
+    for _ in range(3):
+        one_step(scaler, model, opt, x, clip=clip, ours=ours, inject_inf=False, counter=None)
+    clean = []
+    for _ in range(2):
+        counter.ops.clear()
+        one_step(scaler, model, opt, x, clip=clip, ours=ours, inject_inf=False, counter=counter)
+        clean.append(counter.total)
+    if clean[0] != clean[1]:
+        raise RuntimeError(f"clean steps differ in ops: {clean}")
+    if not skip:
+        return clean[0]
+    counter.ops.clear()
+    one_step(scaler, model, opt, x, clip=clip, ours=ours, inject_inf=True, counter=counter)
+    one_step(scaler, model, opt, x, clip=clip, ours=ours, inject_inf=False, counter=counter)
+    return counter.total - 2 * clean[0]
+
+
+SCALERS = {
+    "torch": lambda: torch.amp.GradScaler("cpu", init_scale=2.0**10),
+    "ours": lambda: DynamicLossScaler(init_scale=2.0**10),
+    "ours, min/max scale": lambda: DynamicLossScaler(init_scale=2.0**10, min_scale=2.0, max_scale=2.0**20),
+    "ours, hysteresis 2": lambda: DynamicLossScaler(init_scale=2.0**10, hysteresis=2),
+    "ours, telemetry every step": lambda: DynamicLossScaler(init_scale=2.0**10, telemetry_interval=1),
+}
+
+ROWS = [
+    ("clean step, fused AdamW, no clip", dict(optimizer="fused", clip=False)),
+    ("clean step, fused AdamW, clip", dict(optimizer="fused", clip=True)),
+    ("clean step, foreach AdamW, clip", dict(optimizer="foreach", clip=True)),
+    (
+        "around a skipped step (beyond two clean steps), fused, no clip",
+        dict(optimizer="fused", clip=False, skip=True),
+    ),
+]
+
+
+def table() -> list[dict]:
+    rows = []
+    for name, kw in ROWS:
+        row = {"row": name, "torch": count(SCALERS["torch"], ours=False, **kw)}
+        row["ours"] = count(SCALERS["ours"], ours=True, **kw)
+        rows.append(row)
+    variants = {}
+    for label in ("ours, min/max scale", "ours, hysteresis 2", "ours, telemetry every step"):
+        variants[label] = count(SCALERS[label], ours=True, optimizer="fused", clip=False)
+    return rows, variants
+
+
+def first_step_ms(make_scaler, params: float = 20e6, repeats: int = 5) -> float:
+    """Wall time of a fresh scaler's first scale + step + update (fused AdamW, the optimizer's own
+    first step excluded by timing a bare first step of an identical optimizer apart)."""
+    times = []
+    width = int((params / 20) ** 0.5)
+    for _ in range(repeats):
+        model = mlp(layers=20, width=width)
+        opt = make_optimizer("fused", model)
+        x = torch.randn(4, width)
+        loss = model(x).pow(2).mean()
+        scaler = make_scaler()
+        scaled = None
+        start = time.perf_counter()
+        scaled = scaler.scale(loss)
+        mark = time.perf_counter()
+        scaled.backward()
+        resume = time.perf_counter()
+        scaler.step(opt)
+        scaler.update()
+        end = time.perf_counter()
+        times.append((mark - start + end - resume) * 1e3)
+    return statistics.median(times)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--no_first_step", action="store_true", help="Counts only (what the test runs).")
+    opts = parser.parse_args(argv)
+    rows, variants = table()
+    print("| ops the scaler adds per optimizer step | torch.amp.GradScaler | DynamicLossScaler |")
+    print("|---|---|---|")
+    for r in rows:
+        print(f"| {r['row']} | {r['torch']} | {r['ours']} |")
+    print()
+    for label, n in variants.items():
+        print(f"- {label} (clean step, fused AdamW, no clip): {n}")
+    out = {"rows": rows, "variants": variants}
+    if not opts.no_first_step:
+        torch_ms, ours_ms = first_step_ms(SCALERS["torch"]), first_step_ms(SCALERS["ours"])
+        out["first_step_ms"] = {"torch": torch_ms, "ours": ours_ms, "ratio": ours_ms / torch_ms}
+        print(f"\nfirst step (20M parameters, fused AdamW, median of 5): torch {torch_ms:.1f} ms, "
+              f"ours {ours_ms:.1f} ms (x{ours_ms / torch_ms:.2f})")  # fmt: skip
+    if opts.json:
+        Path(opts.json).write_text(json.dumps(out, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
