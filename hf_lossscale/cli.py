@@ -9,6 +9,8 @@
 - `hf-lossscale preflight --model_name_or_path M --train_file F`: before training, which modules
   would overflow in FP16 (activations above 65504, or a replayed FP16 forward), the margins in bits,
   the suggested `fp32_modules` and initial scale.
+- `hf-lossscale precision --train_file F --model minilm llama`: FP16 and BF16 forwards against FP32 on
+  the same weights: the next-token log-probability gap per token (RL's training-inference mismatch).
 """
 
 from __future__ import annotations
@@ -67,6 +69,15 @@ def make_parser() -> argparse.ArgumentParser:
         description=preflight_doc, formatter_class=argparse.RawDescriptionHelpFormatter,
     )  # fmt: skip
     add_preflight_arguments(preflight)
+
+    from .precision import __doc__ as precision_doc
+    from .precision import add_precision_arguments
+
+    precision = commands.add_parser(
+        "precision", help="FP16 and BF16 forwards against FP32: the next-token log-probability gap per token.",
+        description=precision_doc, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    add_precision_arguments(precision)
     return parser
 
 
@@ -101,6 +112,13 @@ def main(argv: list[str] | None = None) -> int:
 
         result = run_preflight(opts)
         return 2 if result["suggested_fp32_modules"] else 0
+    if opts.command == "precision":
+        from .precision import check
+        from .precision import run as run_precision
+
+        check(opts)
+        run_precision(opts)
+        return 0
     if opts.command == "underflow":
         from .underflow import run as run_underflow
 
