@@ -113,11 +113,15 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self._host_skipped: bool | None = None  # the last step's skip, where the host already knows it
         self._iteration = 0  # host-side count of update() calls: decides telemetry without a sync
         self._found_inf_group: Any = None  # set by sync_found_inf_across() for local-shard paths
-        # 0-d bool device flag: every loss scale() saw since the last update() was finite (None: none seen)
-        self._loss_finite: torch.Tensor | None = None
+        # 0-d device tensor: the sum of `loss * 0` over the losses scale() saw since the last update():
+        # 0 when all were finite, NaN otherwise (inf * 0 is NaN); None when none was seen. The overflow
+        # check reads it together with the gradients, in the same kernel call.
+        self._loss_probe: torch.Tensor | None = None
+        self._ones: dict[torch.device, torch.Tensor] = {}  # a cached 1.0 per device (fused steps' divisor)
+        self._indices: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # see _constants
         #: Device flags of the last update: its loss was non-finite / it backed the scale off.
         self.last_loss_nonfinite: torch.Tensor | None = None
-        self.last_backed_off: torch.Tensor | None = None
+        self._backed_off: Any = None  # a flag, or a function making it: read once in a while
         #: The latest overflow diagnosis (`hf_lossscale.overflow`): {"kind", "origin", "step", ...}.
         #: The collapse error leads with it. Set by whoever diagnoses (the Trainer's callback).
         self.overflow_origin: dict[str, Any] | None = None
@@ -156,6 +160,16 @@ class DynamicLossScaler(torch.amp.GradScaler):
 
     def set_growth_interval(self, new_interval: int) -> None:
         self.config = self.config.replace(growth_interval=new_interval)
+        self._clamp_growth_tracker()
+
+    def _clamp_growth_tracker(self) -> None:
+        """Keep the growth streak below the interval (a streak at or past a lowered interval grows at
+        the next clean step either way; torch's kernel needs it below, see `_torch_rule_applies`)."""
+        top = self.config.growth_interval - 1
+        if self.state.materialised:
+            self.state["_growth_tracker"].clamp_(max=top)
+        else:
+            self.state.host["_growth_tracker"] = min(self.state.host["_growth_tracker"], top)
 
     def set_parameter_names(self, named: torch.nn.Module | Iterable[tuple[str, torch.Tensor]]) -> None:
         """Name parameters (a module or `named_parameters()` pairs) for overflow and error reports."""
@@ -212,6 +226,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
             self.state["_growth_tracker"].fill_(int(value))
         else:
             self.state.host["_growth_tracker"] = int(value)
+        self._clamp_growth_tracker()
 
     def _lazy_init_scale_growth_tracker(self, dev: torch.device | str) -> None:
         if not self.state.materialised:
@@ -260,27 +275,40 @@ class DynamicLossScaler(torch.amp.GradScaler):
         return apply(outputs)
 
     def _note_loss(self, loss: torch.Tensor) -> None:
-        """Record on the device whether a scaled loss is finite (no host sync): a non-finite loss is a
-        forward overflow, which no scale can fix."""
-        # x * 0 == 0 exactly when x is finite (inf * 0 and NaN * 0 are NaN): two ops where isfinite is five
-        finite = loss.detach().mul(0).eq(0)
-        if finite.numel() != 1:
-            finite = finite.all()
-        finite = finite.reshape(()).to(self._scale.device, non_blocking=True)
-        self._loss_finite = finite if self._loss_finite is None else self._loss_finite & finite
+        """Keep a device probe of the loss (no host sync): a non-finite loss is a forward overflow,
+        which no scale can fix. One op: `loss * 0` is 0 when the loss is finite and NaN otherwise, and
+        the gradients' overflow check reads it in the same kernel call (see `_unscale_grads_`)."""
+        probe = loss.detach().mul(0)
+        if probe.numel() != 1:
+            probe = probe.sum()
+        probe = probe.reshape(()).to(self._scale.device, non_blocking=True)
+        self._loss_probe = probe if self._loss_probe is None else self._loss_probe + probe
 
     def _initial_found(self, device: torch.device) -> torch.Tensor:
         """A fresh found-inf flag for `device`: 1.0 when a loss of this iteration was non-finite (the
         step is skipped whatever the gradients hold), else 0.0."""
-        if self._loss_finite is None:
+        if self._loss_probe is None:
             return torch.zeros((), dtype=torch.float32, device=device)
-        return (~self._loss_finite).to(device=device, dtype=torch.float32, non_blocking=True)
+        return self._loss_probe.ne(0).to(device=device, dtype=torch.float32, non_blocking=True)
 
     @property
     def loss_finite_tensor(self) -> torch.Tensor | None:
         """A 0-d bool device flag: were all losses `scale()` saw since the last `update()` finite?
-        None before the first `scale()` of the iteration. No sync."""
-        return self._loss_finite
+        None before the first `scale()` of the iteration. No sync (one device op when asked)."""
+        return None if self._loss_probe is None else self._loss_probe.eq(0)
+
+    @property
+    def last_backed_off(self) -> torch.Tensor | None:
+        """A 0-d bool device flag: did the last update back the scale off? No sync."""
+        if callable(self._backed_off):
+            self._backed_off = self._backed_off()
+        return self._backed_off
+
+    def _one(self, device: torch.device) -> torch.Tensor:
+        one = self._ones.get(device)
+        if one is None:
+            one = self._ones[device] = torch.ones((), dtype=torch.float32, device=device)
+        return one
 
     # ------------------------------------------------------------------ unscale / check
     def _grads_by_device_and_dtype(self, optimizer: torch.optim.Optimizer, allow_fp16: bool = False):
@@ -332,19 +360,25 @@ class DynamicLossScaler(torch.amp.GradScaler):
 
         def flag_for(device: torch.device) -> torch.Tensor:
             if found_inf is None:
-                return self._initial_found(device)
+                return torch.zeros((), dtype=torch.float32, device=device)
             return found_inf if found_inf.device == device else found_inf.to(device, non_blocking=True)
 
+        # the loss probe (0, or NaN after a non-finite loss) joins its device's check: the step is then
+        # skipped whatever the gradients hold, at no extra op (our private tensor: unscaling it is harmless)
+        probe = self._loss_probe if found_inf is None else None
         for observer in self.observers:
             observer.before_unscale(self, optimizer)
         with torch.no_grad():
-            for device, per_dtype in self._grads_by_device_and_dtype(optimizer, bool(allow_fp16)).items():
+            grouped = self._grads_by_device_and_dtype(optimizer, bool(allow_fp16))
+            if probe is not None:
+                grouped[probe.device][probe.dtype] = [*grouped[probe.device][probe.dtype], probe]
+            for device, per_dtype in grouped.items():
                 if device not in found:
                     found[device] = flag_for(device)
                     inv[device] = inv_scale.to(device, non_blocking=True)
                 for grads in per_dtype.values():
                     torch._amp_foreach_non_finite_check_and_unscale_(grads, found[device], inv[device])
-        if not found:  # no gradients at all: record the loss's check on the scale's device
+        if not found:  # no gradients and no loss: a clean flag on the scale's device
             home = self._scale.device if self._scale is not None else inv_scale.device
             found[home] = flag_for(home)
         if self._found_inf_group is not None:
@@ -378,8 +412,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
         """Check for inf/NaN without unscaling (fused optimizers unscale inside their kernel)."""
         self._require_init("step")
-        one = torch.ones((), dtype=torch.float32, device=self._scale.device)
-        found = self._unscale_grads_(optimizer, one)
+        found = self._unscale_grads_(optimizer, self._one(self._scale.device))
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
         return found
 
@@ -387,7 +420,9 @@ class DynamicLossScaler(torch.amp.GradScaler):
         return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
 
     def _found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
-        flags = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values()
+        flags = list(self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
+        if len(flags) == 1 and flags[0].device == self._scale.device:
+            return flags[0]  # the kernels only read it
         return sum(f.to(self._scale.device, non_blocking=True) for f in flags)
 
     # ------------------------------------------------------------------ step
@@ -427,7 +462,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
                 return retval
             if state["stage"] is OptState.READY:
                 self._check_inf_per_device(optimizer)
-                grad_scale = self._scale * getattr(optimizer, "grad_scale", 1)
+                extra = getattr(optimizer, "grad_scale", None)  # an optimizer's own divisor, kept
+                grad_scale = self._scale if extra is None else self._scale * extra
             elif "grad_scale" in state:  # clip_grad_norm_ left unscale and clip to the kernel
                 grad_scale = state.pop("grad_scale")
             else:  # already unscaled: the kernel must not divide again
@@ -574,9 +610,11 @@ class DynamicLossScaler(torch.amp.GradScaler):
             device = scaled_norm.device if with_grad else self._scale.device
             scale = self._scale.to(device, non_blocking=True)
             norm = scaled_norm.to(device) / scale  # exact for a power-of-two scale
-            found = (~torch.isfinite(norm)).float()
-            if self._loss_finite is not None:
-                found = torch.maximum(found, self._initial_found(device))
+            # the norm is inf/NaN exactly when a gradient is; one kernel checks it and the loss probe
+            # (multiplying them by 1 in place leaves their values as they are)
+            found = torch.zeros((), dtype=torch.float32, device=device)
+            checked = [norm] if self._loss_probe is None else [norm, self._loss_probe.to(device)]
+            torch._amp_foreach_non_finite_check_and_unscale_(checked, found, self._one(device))
             if error_if_nonfinite and found:
                 raise RuntimeError(
                     f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "
@@ -589,9 +627,10 @@ class DynamicLossScaler(torch.amp.GradScaler):
             else:
                 inv_scale = self._scale.double().reciprocal().float().to(device)
                 _mul_grads_(grouped, torch.where(found > 0, 1.0, coef * inv_scale), foreach)
-        if per_tensor is not None:
+        if per_tensor is not None and self.observers:
+            nonfinite = per_tensor.mul(0).ne(0)  # x * 0 is NaN exactly when x is not finite: 2 ops, not 5
             for observer in self.observers:
-                observer.on_norms(self, optimizer, with_grad, ~torch.isfinite(per_tensor))
+                observer.on_norms(self, optimizer, with_grad, nonfinite)
         state["found_inf_per_device"] = {device: found}
         state["stage"] = OptState.UNSCALED
         return norm
@@ -623,7 +662,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
                 return
             self._require_init("update")
         self._iteration += 1
-        loss_finite, self._loss_finite = self._loss_finite, None  # the flag belongs to this iteration
+        probe, self._loss_probe = self._loss_probe, None  # the probe belongs to this iteration
         if new_scale is not None:
             self._set_scale(new_scale)
             self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
@@ -648,7 +687,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
                 "each optimizer of the iteration before update()."
             )
         found = torch.stack(flags).amax() > 0 if len(flags) > 1 else flags[0] > 0
-        loss_bad = None if loss_finite is None else ~loss_finite
+        loss_bad = None if probe is None else probe.ne(0)
         if _world_size(self._found_inf_group) > 1:
             loss_bad = self._all_ranks_loss_flag(loss_bad)
         self._apply_rule(found, loss_bad)
@@ -674,38 +713,90 @@ class DynamicLossScaler(torch.amp.GradScaler):
         `loss_bad` whether a loss of the iteration was non-finite (None: no loss was seen).
 
         A skip whose loss was non-finite is a forward overflow: unless `backoff_on_nonfinite_loss`,
-        it leaves the scale and the trackers as they were (no scale can fix it)."""
+        it leaves the scale and the trackers as they were (no scale can fix it).
+
+        Device ops are kept few (each is a kernel launch on a GPU): the five counters advance together
+        (`ScalerState.counters`: x K + A, with K and A picked from the step's flags in one index op),
+        and where the rule is torch's (`_torch_rule_applies`) the scale and growth tracker move with
+        torch's own `_amp_update_scale_` kernel and one clamp.
+        """
         c, s = self.config, self.state
-        found_i = found.to(torch.int64)
-        s["total_steps"].add_(1)
-        s["skipped_steps"].add_(found_i)
-        s["consecutive_skips"].mul_(found_i).add_(found_i)
+        bad = loss_bad if loss_bad is not None else torch.zeros_like(found)
+        # flags = [skipped, loss non-finite, 1]; K = flags[[0, 1, 2, 2, 2]], A = flags[[0, 1, 2, 0, 1]]:
+        # consecutive = (consecutive + 1) * flag, total += 1, skipped += flag, nonfinite += flag
+        index, true = self._constants(found.device)
+        flags = torch.stack([found, bad, true]).to(torch.int64)
+        factors = flags[index]
+        s.counters.mul_(factors[0]).add_(factors[1])
         s.replace("last_step_skipped", found)  # a fresh tensor each update: holders keep a snapshot
         self.last_loss_nonfinite = loss_bad
-        self.last_backed_off = None
-        if loss_bad is not None:
-            bad_i = loss_bad.to(torch.int64)
-            s["nonfinite_loss_steps"].add_(bad_i)
-            s["consecutive_nonfinite_loss"].mul_(bad_i).add_(bad_i)
+        self._backed_off = None
         if c.mode != "dynamic":
             return
-        scale, growth, hyst = s["scale"], s["_growth_tracker"], s["_hysteresis_tracker"]
         neutral = None if loss_bad is None or c.backoff_on_nonfinite_loss else loss_bad
+        if self._torch_rule_applies():
+            # the backoff decision: a skip that is not a forward overflow (found and not neutral)
+            overflow = torch.sub(flags[0], flags[1], out=self._overflow_buffer()) if neutral is not None else (
+                found.to(torch.float32))  # fmt: skip
+            if neutral is not None:  # a forward overflow neither advances nor resets the growth streak:
+                s["_growth_tracker"].sub_(flags[1])  # the kernel's +1 for a clean step brings it back
+            torch._amp_update_scale_(
+                s["scale"],
+                s["_growth_tracker"],
+                overflow,
+                c.growth_factor,
+                c.backoff_factor,
+                c.growth_interval,
+            )
+            s["scale"].clamp_(c.min_scale, c.max_scale)
+            self._backed_off = lambda: overflow > 0
+            return
+        scale, growth, hyst = s["scale"], s["_growth_tracker"], s["_hysteresis_tracker"]
         overflow = found if neutral is None else found & ~neutral
         growth_after = torch.where(overflow, 0, growth + 1)
         if neutral is not None:  # a forward overflow neither resets nor advances the growth streak
             growth_after = torch.where(neutral, growth, growth_after)
         grow = growth_after >= c.growth_interval
-        hyst_after_overflow = (hyst - 1).clamp_(min=0)
-        back_off = overflow & (hyst_after_overflow == 0)
-        self.last_backed_off = back_off
+        if c.hysteresis == 1:  # a budget of one: every overflow backs off, the tracker stays full
+            back_off = overflow
+        else:
+            hyst_after_overflow = (hyst - 1).clamp_(min=0)
+            back_off = overflow & (hyst_after_overflow == 0)
+        self._backed_off = back_off
         # Compute in float64 and round once, as torch's _amp_update_scale_ kernels do.
         grown = (scale.double() * c.growth_factor).clamp_(max=c.max_scale).float()
         backed = (scale.double() * c.backoff_factor).clamp_(min=c.min_scale).float()
         scale.copy_(torch.where(back_off, backed, torch.where(grow, grown, scale)))
         growth.copy_(torch.where(grow, 0, growth_after))
-        refill = grow | (~found) if c.consecutive_hysteresis else grow
-        hyst.copy_(torch.where(overflow, hyst_after_overflow, torch.where(refill, c.hysteresis, hyst)))
+        if c.hysteresis > 1:
+            refill = grow | (~found) if c.consecutive_hysteresis else grow
+            hyst.copy_(torch.where(overflow, hyst_after_overflow, torch.where(refill, c.hysteresis, hyst)))
+
+    def _constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The counters' factor index and a True, on `device` (made once)."""
+        found = self._indices.get(device)
+        if found is None:
+            index = torch.tensor([[0, 1, 2, 2, 2], [0, 1, 2, 0, 1]], device=device)
+            found = self._indices[device] = (index, torch.ones((), dtype=torch.bool, device=device))
+        return found
+
+    def _overflow_buffer(self) -> torch.Tensor:
+        return torch.empty((), dtype=torch.float32, device=self._scale.device)
+
+    def _torch_rule_applies(self) -> bool:
+        """Whether torch's `_amp_update_scale_` kernel computes this config's rule exactly: no hysteresis
+        (a budget of one overflow: every overflow backs off, the tracker stays full), power-of-two
+        factors (exact in FP32 as in FP64), and a ceiling whose growth stays finite in FP32 (the kernel
+        keeps a scale whose growth overflows; ours clamps to the ceiling, which is then the same). The
+        growth tracker is kept below the interval (`_clamp_growth_tracker`), since the kernel grows
+        only when the streak *equals* the interval."""
+        c = self.config
+        return (
+            c.hysteresis == 1
+            and _power_of_two(c.growth_factor)
+            and _power_of_two(c.backoff_factor)
+            and c.max_scale * c.growth_factor <= SCALE_MAX
+        )
 
     def _set_scale(self, new_scale: float | torch.Tensor) -> None:
         if isinstance(new_scale, torch.Tensor):
@@ -817,6 +908,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         A malformed state raises `ValueError` naming the missing or wrong keys.
         """
         self.config = self.state.load_state_dict(state_dict, self.config)
+        self._clamp_growth_tracker()
         self._iteration = self.state.host["total_steps"]  # telemetry keeps its cadence across a resume
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
         for observer in self.observers:
@@ -880,6 +972,11 @@ def _mul_grads_(grouped: dict, factor: torch.Tensor, foreach: bool | None) -> No
             else:
                 for g in grads:
                     g.mul_(f)
+
+
+def _power_of_two(x: float) -> bool:
+    mantissa, _ = math.frexp(x)
+    return x > 0 and mantissa == 0.5
 
 
 def _torch_ceiling(overrides: dict[str, Any]) -> dict[str, Any]:

@@ -12,6 +12,7 @@ The scaler holds a list of observers; with none (as in `"off"` mode) it makes no
 
 from __future__ import annotations
 
+import math
 import warnings
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING
@@ -31,6 +32,7 @@ __all__ = [
     "SkipWatch",
     "TelemetryWatch",
     "collapse_message",
+    "max_norms",
     "nonfinite_flags",
 ]
 
@@ -104,27 +106,38 @@ class ParameterNames:
                     yield self.name(param, optimizer), local(param.grad)
 
 
-def nonfinite_flags(grads: list[torch.Tensor]) -> torch.Tensor:
-    """One bool per gradient, in order, on the first one's device: does it hold inf/NaN? One
-    `_foreach_norm` (max-norm: inf/NaN exactly when an element is) per device and dtype, instead of a
-    few ops per tensor; an empty gradient counts as finite. No host sync."""
+def max_norms(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Each gradient's max-norm (inf/NaN exactly when it holds an inf/NaN; 0 for an empty one), in order,
+    as one float vector on the first one's device. One `_foreach_norm` per device and dtype and one
+    stack where all are dense, non-empty and alike (the usual case): two device ops. No host sync."""
     from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
     first = grads[0].device
-    out = torch.zeros(len(grads), dtype=torch.bool, device=first)
     dense = [g.coalesce()._values() if g.is_sparse else g for g in grads]
     keep = [i for i, g in enumerate(dense) if g.numel()]  # max-norm has no identity for an empty tensor
-    if not keep:
-        return out
     with torch.no_grad():
+        if not keep:
+            return torch.zeros(len(grads), device=first)
         grouped = _group_tensors_by_device_and_dtype([[dense[i] for i in keep]], with_indices=True)
+        parts = []
         for (device, _), ([tensors], indices) in grouped.items():
             if device.type in ("cpu", "cuda"):
                 norms = torch.stack(torch._foreach_norm(tensors, float("inf")))
             else:
                 norms = torch.stack([t.abs().amax() for t in tensors])
-            out[torch.tensor([keep[j] for j in indices], device=first)] = ~torch.isfinite(norms.to(first))
-    return out
+            parts.append((norms, [keep[j] for j in indices]))
+        if len(parts) == 1 and len(keep) == len(grads) and parts[0][1] == keep:
+            return parts[0][0].to(first)
+        out = torch.zeros(len(grads), dtype=torch.float32, device=first)
+        for norms, places in parts:
+            out[torch.tensor(places, device=first)] = norms.to(device=first, dtype=torch.float32)
+        return out
+
+
+def nonfinite_flags(grads: list[torch.Tensor]) -> torch.Tensor:
+    """One bool per gradient, in order, on the first one's device: does it hold inf/NaN? From
+    `max_norms` (x * 0 is NaN exactly when x is inf/NaN); an empty gradient counts as finite. No host sync."""
+    return max_norms(grads).mul(0).ne(0)
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -220,8 +233,8 @@ class SkipWatch(ScalerObserver):
             params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
         if not params:
             return
-        if nonfinite is None:
-            nonfinite = nonfinite_flags([local(p.grad) for p in params])
+        if nonfinite is None:  # the norms go to the host as they are; finiteness is read there
+            nonfinite = max_norms([local(p.grad) for p in params])
         self._pending.append((HostCopy(nonfinite), optimizer, params))
         del self._pending[:-_MAX_PENDING_NAMES]
 
@@ -229,7 +242,10 @@ class SkipWatch(ScalerObserver):
         """Take in the flags that have reached the host; return the latest names."""
         while self._pending and self._pending[0][0].ready():
             copy, optimizer, params = self._pending.pop(0)
-            bad = [self.names.name(p, optimizer) for p, b in zip(params, copy.value(), strict=True) if b]
+            flags = [
+                v if isinstance(v, bool) else not math.isfinite(v) for v in copy.value()
+            ]  # flags or norms
+            bad = [self.names.name(p, optimizer) for p, b in zip(params, flags, strict=True) if b]
             if bad:
                 self.overflow_params = bad[:_MAX_NAMES]
         return list(self.overflow_params)

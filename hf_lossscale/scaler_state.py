@@ -41,6 +41,15 @@ _COUNTERS = (
     "nonfinite_loss_steps",
     "consecutive_nonfinite_loss",
 )
+#: The step counters, held in one int64 device vector (`ScalerState.counters`, in this order) of which
+#: the state's tensors are 0-d views: one update advances all of them in two ops.
+PACKED = (
+    "consecutive_skips",
+    "consecutive_nonfinite_loss",
+    "total_steps",
+    "skipped_steps",
+    "nonfinite_loss_steps",
+)
 #: Keys a state written before they existed lacks: they load as 0.
 _ADDED_LATER = ("nonfinite_loss_steps", "consecutive_nonfinite_loss")
 _CONFIG_KEYS = ("growth_factor", "backoff_factor", "growth_interval")  # GradScaler writes these too
@@ -62,6 +71,8 @@ class ScalerState:
     def __init__(self, config: LossScaleConfig) -> None:
         self.host: dict[str, Any] = self.initial(config)
         self.tensors: dict[str, torch.Tensor] | None = None
+        #: The `PACKED` counters as one int64 vector on the device (None before `materialise`).
+        self.counters: torch.Tensor | None = None
         #: Module names `fp32_modules="auto"` moved to FP32 in this run (kept in the checkpoint).
         self.fp32_modules: list[str] = []
 
@@ -83,8 +94,12 @@ class ScalerState:
 
     def materialise(self, device: torch.device) -> None:
         """Create (or re-create) the device tensors from the host values."""
+        self.counters = torch.tensor([self.host[k] for k in PACKED], dtype=torch.int64, device=device)
         self.tensors = {
-            key: torch.full((), self.host[key], dtype=dtype, device=device) for key, dtype in FIELDS.items()
+            key: self.counters[PACKED.index(key)]
+            if key in PACKED
+            else torch.full((), self.host[key], dtype=dtype, device=device)
+            for key, dtype in FIELDS.items()
         }
 
     def __getitem__(self, key: str) -> torch.Tensor:

@@ -50,9 +50,11 @@ class ReferenceScaler:
             # clean step) refills the budget. A budget cannot be negative: it stays at 0 (unlike
             # Megatron/DeepSpeed's tracker, which counts on below 0; both back off at the same
             # steps, but the value is checkpointed, so the spec names which one it is).
-            if self.hysteresis_tracker > 0:
+            # With hysteresis 1 (a budget of one overflow) every overflow backs off and there is
+            # nothing to count down: the tracker stays full (1).
+            if self.hysteresis_tracker > 0 and c.hysteresis > 1:
                 self.hysteresis_tracker -= 1
-            if self.hysteresis_tracker == 0:
+            if self.hysteresis_tracker == 0 or c.hysteresis == 1:
                 self.scale = max(_f32(self.scale * c.backoff_factor), c.min_scale)
         else:
             self.growth_tracker += 1
