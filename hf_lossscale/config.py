@@ -107,7 +107,8 @@ class LossScaleConfig:
         min_scale (`float`, *optional*, defaults to `1.0`): floor; backoff never goes below it.
         max_scale (`float`, *optional*, defaults to `2**24`): ceiling; growth never goes above it.
         hysteresis (`int`, *optional*, defaults to `1`):
-            overflowing steps tolerated before a backoff (1 backs off on every overflow, as torch does).
+            overflowing steps tolerated before a backoff (1 backs off on every overflow, as torch does,
+            and leaves the hysteresis tracker full: there is no budget to count down).
         consecutive_hysteresis (`bool`, *optional*, defaults to `False`):
             refill the hysteresis budget on every clean step (DeepSpeed's option) instead of only when
             the scale grows (Megatron's rule).

@@ -131,6 +131,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self.parameter_names = ParameterNames()
         #: Exponent histograms of the scaled gradients every `config.telemetry_interval` iterations.
         self.telemetry = GradientTelemetry(config.telemetry_interval)
+        self._deferred_updates = 0  # updates made under torch.compile whose observers are not yet told
         #: What the scaler tells what happened (`ScalerObserver`s); empty in `"off"` mode.
         self.observers: list[ScalerObserver] = default_observers(self)
 
@@ -252,6 +253,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         first = _first_tensor_nested(outputs)
         if first is None:
             raise ValueError("scale() takes a Tensor or an iterable of Tensors.")
+        self._catch_up()
         if not self.state.materialised:
             self.state.materialise(self._device or first.device)
         if not self.is_enabled():
@@ -818,12 +820,29 @@ class DynamicLossScaler(torch.amp.GradScaler):
             observer.before_step(self, optimizer, skipped)
 
     def _notify_update(self, rule_applied: bool) -> None:
+        if torch.compiler.is_compiling():
+            # The observers' host work (host copies read back, the collapse check, warnings) cannot be
+            # traced: under torch.compile it runs at the scaler's next eager call, once per update
+            # (a count, not a list: an int that changes is traced as a dynamic value, no recompile).
+            self._deferred_updates += 1
+            return
+        self._catch_up()
         for observer in self.observers:
             observer.on_update(self, rule_applied)
+
+    def _catch_up(self) -> None:
+        """Run the observers' work for updates made inside a compiled region (see `_notify_update`)."""
+        if torch.compiler.is_compiling() or not self._deferred_updates:
+            return
+        pending, self._deferred_updates = self._deferred_updates, 0
+        for _ in range(pending):
+            for observer in self.observers:
+                observer.on_update(self, True)
 
     def drain_events(self) -> list[dict[str, Any]]:
         """Events the observers queued since the last call (`floor`, `collapse_warning`), for an event
         log; each without `step` (the caller knows it)."""
+        self._catch_up()
         return [e for o in self.observers if hasattr(o, "drain_events") for e in o.drain_events()]
 
     @property
@@ -835,6 +854,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         otherwise (fused optimizers decide inside their kernel). On CUDA a name shows up an
         update or two after its step.
         """
+        self._catch_up()
         watch = next((o for o in self.observers if isinstance(o, SkipWatch)), None)
         return watch.resolve() if watch is not None else []
 
@@ -877,6 +897,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
 
     def stats(self) -> dict[str, Any]:
         """Scale and counters as Python numbers. Synchronises with the device: call at log steps."""
+        self._catch_up()
         v = self.state.host_values()
         return {
             "loss_scale": v["scale"] if self.is_enabled() else 1.0,
