@@ -34,6 +34,8 @@ SHORT_FORMS = [
     (r'--points "[^"]*"', '--points "1x32x1"', "one small point"),
     (r"(benchmarks/gpu_prepare\.py)$", r"\1 --help", "it downloads wheels into .whl/"),
     (r"^bash (benchmarks/gpu_dryrun\.sh)$", r"bash -n \1", "it builds a venv (minutes): parse it"),
+    (r"(hf-lossscale precision .*)$", r"\1 --model llama --eval_blocks 1 --train_blocks 1 --finetune_steps 1 --block_size 16",
+     "one block, one fine-tune step, the small decoder"),
     (r"(hf-lossscale advise .*)$", r"\1 --steps 1 --block_size 32 --per_device_train_batch_size 1",
      "one short FP32 step"),
 ]  # fmt: skip
