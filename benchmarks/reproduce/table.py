@@ -64,35 +64,32 @@ def bf16_against_dynamic(result: dict) -> dict | None:
     return verdict.paired_verdict(runs, "bf16", metric, baseline="dynamic")
 
 
-def bf16_line(v: dict, shown: str) -> str:
-    """The statement of `bf16_against_dynamic`: which of the two is worse, and by how much."""
+def _gaps_and_word(v: dict, words: dict | None = None) -> tuple[str, str, str]:
+    """A paired verdict's gaps, its interval text (or "") and its verdict word."""
     gaps = ", ".join(_fmt(v["metric"], g, signed=True) for g in v["gaps"])
-    line = f"- BF16 against FP16 + dynamic scaling: paired {shown} gap (BF16 - FP16) {gaps}"
+    interval = ""
     if "interval" in v:
         low, high = v["interval"]
-        line += (
+        interval = (
             f", 95% interval [{_fmt(v['metric'], low, signed=True)}, {_fmt(v['metric'], high, signed=True)}]"
         )
-    word = {"worse": "BF16 worse", "better": "BF16 better"}.get(v["verdict"], v["verdict"])
+    word = (words or {}).get(v["verdict"], v["verdict"])
     if v["verdict"] == "too few seeds":
         word = f"no verdict ({v['n']} seed{'s' if v['n'] > 1 else ''}; the rule needs {verdict.MIN_SEEDS})"
-    return line + f": **{word}**."
+    return gaps, interval, word
+
+
+def bf16_line(v: dict, shown: str) -> str:
+    """The statement of `bf16_against_dynamic`: which of the two is worse, and by how much."""
+    gaps, interval, word = _gaps_and_word(v, {"worse": "BF16 worse", "better": "BF16 better"})
+    return f"- BF16 against FP16 + dynamic scaling: paired {shown} gap (BF16 - FP16) {gaps}{interval}: **{word}**."
 
 
 def verdict_line(v: dict, shown: str) -> str:
     """One line of the benchmark's statements: the paired verdict, its interval, and the finding."""
-    gaps = ", ".join(_fmt(v["metric"], g, signed=True) for g in v["gaps"])
-    line = f"- {LABELS[v['setting']]}: paired {shown} gap to FP32 {gaps} (seed{'s' if v['n'] > 1 else ''} {', '.join(map(str, v['seeds']))})"
-    if "interval" in v:
-        low, high = v["interval"]
-        line += (
-            f", 95% interval [{_fmt(v['metric'], low, signed=True)}, {_fmt(v['metric'], high, signed=True)}]"
-        )
-    word = (
-        f"no verdict ({v['n']} seed{'s' if v['n'] > 1 else ''}; the rule needs {verdict.MIN_SEEDS})"
-        if v["verdict"] == "too few seeds"
-        else v["verdict"]
-    )
+    gaps, interval, word = _gaps_and_word(v)
+    seeds = f"seed{'s' if v['n'] > 1 else ''} {', '.join(map(str, v['seeds']))}"
+    line = f"- {LABELS[v['setting']]}: paired {shown} gap to FP32 {gaps} ({seeds}){interval}"
     line += f": **{word}**; finding: **{v['finding']}**."
     if v.get("perplexity_ratio"):
         line += " Perplexity ratio to FP32: " + ", ".join(f"{x:.3f}" for x in v["perplexity_ratio"]) + "."
