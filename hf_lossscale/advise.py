@@ -43,7 +43,9 @@ def add_advise_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_blocks(opts: argparse.Namespace, tokenizer) -> list[list[int]]:
-    from datasets import load_dataset
+    from ._extras import need
+
+    load_dataset = need("datasets", "Reading a text data set", "tools").load_dataset
 
     if (opts.train_file is None) == (opts.dataset_name is None):
         raise SystemExit("Give exactly one of --train_file or --dataset_name.")

@@ -1,6 +1,6 @@
 """The comparison runner: one training script, run once per setting and seed with the same data
 order and number of optimizer steps; FP32, FP16 + dynamic scaling, FP16 + a static scale, FP16 with
-scaling off. `hf-lossscale compare SCRIPT [options] -- SCRIPT_ARGS`.
+scaling off, and BF16 (autocast, no scaler) on request. `hf-lossscale compare SCRIPT [options] -- SCRIPT_ARGS`.
 
 The script is any `HfArgumentParser` script whose trainer uses `LossScaleMixin` (our recipes, or
 yours): each run writes its event log (`loss_scale_log.jsonl`) to its output folder, and this
@@ -663,7 +663,9 @@ _LINESTYLES = ("-", "--", ":", "-.")
 
 
 def write_plots(results: list[RunResult], opts: argparse.Namespace, out: Path) -> list[str]:
-    import matplotlib
+    from ._extras import need
+
+    matplotlib = need("matplotlib", "hf-lossscale compare's plots", "tools")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -798,6 +800,9 @@ def validate(opts: argparse.Namespace) -> None:
 def run_comparison(opts: argparse.Namespace) -> tuple[list[RunResult], dict[str, Any]]:
     """Run every setting and seed, then write summary.md, metrics.json and the plots."""
     validate(opts)
+    from ._extras import need
+
+    need("matplotlib", "hf-lossscale compare's plots", "tools")  # before hours of runs, not after
     out = Path(opts.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     try:

@@ -225,7 +225,9 @@ def render(models: list[dict[str, Any]]) -> str:
 
 
 def plot(models: list[dict[str, Any]], path: Path) -> None:
-    import matplotlib
+    from ._extras import need
+
+    matplotlib = need("matplotlib", "hf-lossscale precision's plot", "tools")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -76,7 +76,9 @@ _ACT_KEYS = ("lost_frac", "headroom_bits")
 
 def make_report(run_dir: str | Path, output_dir: str | Path | None = None) -> dict[str, Any]:
     """Write `report.md` and the PNGs; return what was written and the figures used."""
-    import matplotlib
+    from ._extras import need
+
+    matplotlib = need("matplotlib", "hf-lossscale report's plots", "tools")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -304,7 +304,9 @@ def format_table(result: dict[str, Any]) -> str:
 
 def write_plot(results: list[dict[str, Any]], path: Path) -> None:
     """Flushed fraction and relative error against tokens per step, one colour per objective."""
-    import matplotlib
+    from ._extras import need
+
+    matplotlib = need("matplotlib", "The underflow map's plot", "tools")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -31,7 +31,12 @@ import math
 from dataclasses import dataclass, field
 from itertools import chain
 
-import datasets
+try:
+    import datasets
+except ImportError as err:
+    raise SystemExit(
+        f"The recipes need the `recipes` extra ({err.name} is missing): pip install 'hf_lossscale[recipes]'"
+    ) from None
 import torch
 from recipe_args import (
     ModelArguments,

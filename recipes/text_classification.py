@@ -41,8 +41,14 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import datasets
-import evaluate
+try:
+    import datasets
+    import evaluate
+    import sklearn  # noqa: F401  (the GLUE metrics compute with it)
+except ImportError as err:
+    raise SystemExit(
+        f"The recipes need the `recipes` extra ({err.name} is missing): pip install 'hf_lossscale[recipes]'"
+    ) from None
 import numpy as np
 from datasets import ClassLabel
 from recipe_args import (
