@@ -688,11 +688,17 @@ class DynamicLossScaler(torch.amp.GradScaler):
                 "update() found no inf checks since the last update(): call step(optimizer) for "
                 "each optimizer of the iteration before update()."
             )
-        found = torch.stack(flags).amax() > 0 if len(flags) > 1 else flags[0] > 0
-        loss_bad = None if probe is None else probe.ne(0)
-        if _world_size(self._found_inf_group) > 1:
-            loss_bad = self._all_ranks_loss_flag(loss_bad)
-        self._apply_rule(found, loss_bad)
+        found_f = torch.stack(flags).amax() if len(flags) > 1 else flags[0]
+        if probe is not None and _world_size(self._found_inf_group) == 1:
+            # [skipped, loss non-finite, True] in two ops: the probe is 0 or NaN, and NaN != 0
+            _, one = self._constants(found_f.device)
+            bits = torch.stack([found_f, probe.to(found_f.dtype), one]).ne(0)
+            self._apply_rule(bits[0], bits[1], bits)
+        else:
+            loss_bad = None if probe is None else probe.ne(0)
+            if _world_size(self._found_inf_group) > 1:
+                loss_bad = self._all_ranks_loss_flag(loss_bad)
+            self._apply_rule(found_f > 0, loss_bad)
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
         self._notify_update(rule_applied=True)
 
@@ -710,9 +716,12 @@ class DynamicLossScaler(torch.amp.GradScaler):
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._found_inf_group)
         return flag > 0
 
-    def _apply_rule(self, found: torch.Tensor, loss_bad: torch.Tensor | None = None) -> None:
+    def _apply_rule(
+        self, found: torch.Tensor, loss_bad: torch.Tensor | None = None, bits: torch.Tensor | None = None
+    ) -> None:
         """The update rule on the device tensors; `found` is a 0-d bool tensor (the step was skipped),
-        `loss_bad` whether a loss of the iteration was non-finite (None: no loss was seen).
+        `loss_bad` whether a loss of the iteration was non-finite (None: no loss was seen); `bits`, when
+        the caller has it, the bool vector [found, loss_bad, True].
 
         A skip whose loss was non-finite is a forward overflow: unless `backoff_on_nonfinite_loss`,
         it leaves the scale and the trackers as they were (no scale can fix it).
@@ -726,8 +735,10 @@ class DynamicLossScaler(torch.amp.GradScaler):
         bad = loss_bad if loss_bad is not None else torch.zeros_like(found)
         # flags = [skipped, loss non-finite, 1]; K = flags[[0, 1, 2, 2, 2]], A = flags[[0, 1, 2, 0, 1]]:
         # consecutive = (consecutive + 1) * flag, total += 1, skipped += flag, nonfinite += flag
-        index, true = self._constants(found.device)
-        flags = torch.stack([found, bad, true]).to(torch.int64)
+        index, one = self._constants(found.device)
+        if bits is None:
+            bits = torch.stack([found, bad, one.bool()])
+        flags = bits.to(torch.int64)
         factors = flags[index]
         s.counters.mul_(factors[0]).add_(factors[1])
         s.replace("last_step_skipped", found)  # a fresh tensor each update: holders keep a snapshot
@@ -775,11 +786,11 @@ class DynamicLossScaler(torch.amp.GradScaler):
             hyst.copy_(torch.where(overflow, hyst_after_overflow, torch.where(refill, c.hysteresis, hyst)))
 
     def _constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The counters' factor index and a True, on `device` (made once)."""
+        """The counters' factor index and a 1.0, on `device` (made once)."""
         found = self._indices.get(device)
         if found is None:
             index = torch.tensor([[0, 1, 2, 2, 2], [0, 1, 2, 0, 1]], device=device)
-            found = self._indices[device] = (index, torch.ones((), dtype=torch.bool, device=device))
+            found = self._indices[device] = (index, torch.ones((), dtype=torch.float32, device=device))
         return found
 
     def _overflow_buffer(self) -> torch.Tensor:
