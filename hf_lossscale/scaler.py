@@ -121,7 +121,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self._indices: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # see _constants
         #: Device flags of the last update: its loss was non-finite / it backed the scale off.
         self.last_loss_nonfinite: torch.Tensor | None = None
-        self._backed_off: Any = None  # a flag, or a function making it: read once in a while
+        # the last update's backoff: a bool flag, or (fast rule) its float overflow flag, compared on request
+        self._backed_off: torch.Tensor | None = None
         #: The latest overflow diagnosis (`hf_lossscale.overflow`): {"kind", "origin", "step", ...}.
         #: The collapse error leads with it. Set by whoever diagnoses (the Trainer's callback).
         self.overflow_origin: dict[str, Any] | None = None
@@ -302,8 +303,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
     @property
     def last_backed_off(self) -> torch.Tensor | None:
         """A 0-d bool device flag: did the last update back the scale off? No sync."""
-        if callable(self._backed_off):
-            self._backed_off = self._backed_off()
+        if self._backed_off is not None and self._backed_off.dtype != torch.bool:
+            self._backed_off = self._backed_off > 0  # one op, only when someone asks
         return self._backed_off
 
     def _one(self, device: torch.device) -> torch.Tensor:
@@ -762,7 +763,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
                 c.growth_interval,
             )
             s["scale"].clamp_(c.min_scale, c.max_scale)
-            self._backed_off = lambda: overflow > 0
+            self._backed_off = overflow
             return
         scale, growth, hyst = s["scale"], s["_growth_tracker"], s["_hysteresis_tracker"]
         overflow = found if neutral is None else found & ~neutral

@@ -108,6 +108,13 @@ def test_pickles_between_iterations_like_torch():
         assert b.scale(torch.tensor([4.0])).item() == 12.0
     model = torch.nn.Linear(2, 1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):  # after updates too (torch's autocast test pickles after every update)
+        a.scale(model(torch.ones(1, 2)).sum()).backward()
+        a.step(opt)
+        a.update()
+    b = pickle.loads(pickle.dumps(a))
+    assert b.get_scale() == a.get_scale() and b.stats() == a.stats()
+    assert bool(b.last_backed_off) is False and b.scale(torch.tensor([1.0])).item() == a.get_scale()
     a.scale(model(torch.ones(1, 2)).sum()).backward()
     a.unscale_(opt)
     with pytest.raises(RuntimeError, match="between iterations"):
