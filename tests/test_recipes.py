@@ -67,9 +67,9 @@ def test_compare_entry_points_help(capsys):
                             capture_output=True, text=True, timeout=120)  # fmt: skip
     assert recipe.returncode == 0 and "--static_scale" in recipe.stdout
     assert recipe.stdout.split("options:")[1] == cli_help.split("options:")[1]
-    bad = subprocess.run([sys.executable, str(ROOT / "recipes" / "compare.py"), "nope.py", "--settings", "fp32,bf16"],
+    bad = subprocess.run([sys.executable, str(ROOT / "recipes" / "compare.py"), "nope.py", "--settings", "fp32,fp8"],
                          capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert bad.returncode != 0 and "bf16" in bad.stderr
+    assert bad.returncode != 0 and "fp8" in bad.stderr
 
 
 def test_config_file_sets_defaults_and_flags_win(tmp_path):
