@@ -129,7 +129,7 @@ def test_compare_end_to_end_tiny(tmp_path, capsys):
     out = tmp_path / "cmp"
     args = [
         "compare", str(ROOT / "recipes" / "language_modeling.py"), "--max_steps", "3", "--output_dir", str(out),
-        "--jobs", "2",
+        "--jobs", "2", "--settings", ",".join(SETTINGS),
         "--", "--model_name_or_path", str(model), "--objective", "clm", "--train_file", str(text),
         "--block_size", "32", "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "2",
         "--eval_strategy", "steps", "--eval_steps", "2", "--max_eval_samples", "4", "--report_to", "none",
@@ -310,3 +310,12 @@ def test_one_runner_per_output_dir_and_atomic_files(tmp_path):
     atomic_write_text(target, "old")
     atomic_write_text(target, "new")
     assert target.read_text() == "new" and [p.name for p in tmp_path.iterdir()] == ["summary.md"]
+
+
+def test_bf16_runs_only_on_request():
+    """The default comparison is FP32 and the three FP16 settings; BF16 when asked. Bug caught: a
+    default that runs BF16 fails on GPUs without it (T4, V100), and with it the whole comparison."""
+    from hf_lossscale.cli import make_parser
+
+    assert make_parser().parse_args(["compare", "x.py"]).settings == "fp32,dynamic,static,off"
+    assert "bf16" in SETTINGS and setting_flags("bf16", 2.0**24, "emulate")[0] == "--bf16"
