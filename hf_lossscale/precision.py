@@ -274,7 +274,7 @@ def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def check(opts: argparse.Namespace) -> None:
-    for name in ("block_size", "eval_blocks", "batch_size"):
+    for name in ("eval_blocks", "batch_size"):
         if getattr(opts, name) < 1:
             raise SystemExit(f"--{name} must be at least 1, got {getattr(opts, name)}.")
     if opts.block_size < 2:

@@ -8,6 +8,7 @@ back to the host. `step()` costs no host synchronisation with optimizers that ta
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 import warnings
@@ -449,7 +450,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
             return self._step_clamping(optimizer, state, args, kwargs)
 
         if getattr(optimizer, "_step_supports_amp_scaling", False):
-            if "grad_scaler" in inspect.signature(optimizer.step).parameters:
+            if _takes_grad_scaler(optimizer.step):
                 # torch's older contract, which it still honours: the optimizer gets the scaler and
                 # does the rest itself (checks, unscaling, skipping)
                 warnings.warn(
@@ -690,14 +691,15 @@ class DynamicLossScaler(torch.amp.GradScaler):
                 "each optimizer of the iteration before update()."
             )
         found_f = torch.stack(flags).amax() if len(flags) > 1 else flags[0]
-        if probe is not None and _world_size(self._found_inf_group) == 1:
+        distributed = _world_size(self._found_inf_group) > 1
+        if probe is not None and not distributed:
             # [skipped, loss non-finite, True] in two ops: the probe is 0 or NaN, and NaN != 0
             _, one = self._constants(found_f.device)
             bits = torch.stack([found_f, probe.to(found_f.dtype), one]).ne(0)
             self._apply_rule(bits[0], bits[1], bits)
         else:
             loss_bad = None if probe is None else probe.ne(0)
-            if _world_size(self._found_inf_group) > 1:
+            if distributed:
                 loss_bad = self._all_ranks_loss_flag(loss_bad)
             self._apply_rule(found_f > 0, loss_bad)
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
@@ -1005,6 +1007,21 @@ def _mul_grads_(grouped: dict, factor: torch.Tensor, foreach: bool | None) -> No
             else:
                 for g in grads:
                     g.mul_(f)
+
+
+def _takes_grad_scaler(step: Any) -> bool:
+    """Whether an optimizer's `step` takes `grad_scaler=` (torch's older contract); the signature is
+    read once per step function, not on every step."""
+    func = getattr(step, "__func__", step)
+    try:
+        return _signature_takes_grad_scaler(func)
+    except TypeError:  # an unhashable callable: read its signature each time
+        return "grad_scaler" in inspect.signature(func).parameters
+
+
+@functools.lru_cache(maxsize=64)
+def _signature_takes_grad_scaler(func: Any) -> bool:
+    return "grad_scaler" in inspect.signature(func).parameters
 
 
 def _power_of_two(x: float) -> bool:
