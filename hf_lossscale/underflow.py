@@ -2,7 +2,8 @@
 grows with the tokens per optimizer step, measured without training.
 
 For each point `MICRO x BLOCK x ACCUM` (micro-batch of MICRO sequences of BLOCK tokens, ACCUM
-micro-batches per optimizer step), one optimizer step's gradient is computed twice on the same
+micro-batches per optimizer step; `/D` after it divides the loss by D more, which is the per-token
+gradient scale of a step with D times more tokens), one optimizer step's gradient is computed twice on the same
 batches: in FP32 (the reference, with this point's own loss divisor ACCUM: a reference made for one
 divisor is not the reference for another) and in emulated FP16 (`fp16_emulation(policy="cuda")`,
 each micro-batch its own backward, as accumulation does) at each scale: 1 (no loss scaling), the
@@ -46,7 +47,8 @@ def add_underflow_arguments(parser: argparse.ArgumentParser) -> None:
                         "(pydoc_data; for cls with alternating labels).")  # fmt: skip
     parser.add_argument("--points", default=DEFAULT_POINTS,
                         help="Space- or comma-separated MICROxBLOCKxACCUM points (sequences per micro-batch, "
-                        "tokens per sequence, micro-batches per optimizer step).")  # fmt: skip
+                        "tokens per sequence, micro-batches per optimizer step); MICROxBLOCKxACCUM/D also divides "
+                        "the loss by D: the per-token gradients of a step with D times more tokens.")  # fmt: skip
     parser.add_argument("--static_scale", type=float, default=2.0**24, help="The static scale measured too.")
     parser.add_argument("--max_scale", type=float, default=2.0**24,
                         help="The largest scale the search for the settled scale tries (the scaler's max).")  # fmt: skip
@@ -56,6 +58,22 @@ def add_underflow_arguments(parser: argparse.ArgumentParser) -> None:
 
 def parse_point(text: str) -> tuple[int, int, int]:
     """`"8x128x16"` -> (8, 128, 16)."""
+    return parse_divided_point(text)[:3]
+
+
+def parse_divided_point(text: str) -> tuple[int, int, int, int]:
+    """`"8x128x4/32"` -> (8, 128, 4, 32); without `/D`, D is 1."""
+    text, _, divisor = text.partition("/")
+    try:
+        divisor = int(divisor or 1)
+    except ValueError:
+        raise ValueError(
+            f"--points entry {text}/{divisor}: D in MICROxBLOCKxACCUM/D must be an integer."
+        ) from None
+    if divisor < 1 or divisor & (divisor - 1):
+        raise ValueError(
+            f"--points entry {text}/{divisor}: D must be a power of two (it divides the loss exactly)."
+        )
     parts = text.lower().split("x")
     try:
         micro, block, accum = (int(p) for p in parts)
@@ -63,7 +81,7 @@ def parse_point(text: str) -> tuple[int, int, int]:
         raise ValueError(f"--points entry {text!r}: expected MICROxBLOCKxACCUM, e.g. 8x128x16.") from None
     if min(micro, block, accum) < 1:
         raise ValueError(f"--points entry {text!r}: every factor must be at least 1.")
-    return micro, block, accum
+    return micro, block, accum, divisor
 
 
 def _texts(opts: argparse.Namespace) -> tuple[list[str], list[int] | None]:
@@ -186,8 +204,9 @@ def _groups(found: dict[str, Any]) -> dict[str, float]:
     return {k: (v[0] / v[1] if v[1] else None) for k, v in sums.items()}
 
 
-def _measure(model, batches, accum, reference, scale) -> dict[str, Any]:
-    low = _grads(model, None, _loss, fp16_emulation("cuda"), scale / accum, micro_batches=batches)
+def _measure(model, batches, divisor, reference, scale) -> dict[str, Any]:
+    """`divisor` is the whole loss divisor (accumulation x D)."""
+    low = _grads(model, None, _loss, fp16_emulation("cuda"), scale / divisor, micro_batches=batches)
     found = compare_gradients(reference, low, scale)
     groups = _groups(found)
     return {
@@ -201,17 +220,17 @@ def _measure(model, batches, accum, reference, scale) -> dict[str, Any]:
     }
 
 
-def _settled(model, batches, accum, reference, max_scale, tried: dict[float, dict]) -> float:
+def _settled(model, batches, divisor, reference, max_scale, tried: dict[float, dict]) -> float:
     """The largest power of two <= max_scale at which the step does not overflow (searched by
     halving from the largest scale the scale-1 gradients allow, reusing measured scales)."""
     # Start where the average micro-batch's largest gradient reaches FP16's maximum (the summed
     # FP32 gradient may exceed 65504 without overflow: each micro-batch is FP16 on its own).
-    amax = max(float(g.abs().max()) for g in reference.values()) / accum
+    amax = max(float(g.abs().max()) for g in reference.values()) / len(batches)
     k = min(math.floor(math.log2(max_scale)), math.floor(math.log2(65504.0 / max(amax, 1e-30))))
     while k > 0:
         scale = 2.0**k
         if scale not in tried:
-            tried[scale] = _measure(model, batches, accum, reference, scale)
+            tried[scale] = _measure(model, batches, divisor, reference, scale)
         if not tried[scale]["overflow"]:
             return scale
         k -= 1
@@ -220,22 +239,24 @@ def _settled(model, batches, accum, reference, max_scale, tried: dict[float, dic
 
 def underflow_map(opts: argparse.Namespace) -> dict[str, Any]:
     """Measure every point of `opts.points` (see the module docstring)."""
-    points = [parse_point(p) for p in re.split(r"[,\s]+", opts.points.strip()) if p]
+    points = [parse_divided_point(p) for p in re.split(r"[,\s]+", opts.points.strip()) if p]
     if not points:
         raise SystemExit("--points is empty.")
     tokenizer, model = load_for_objective(opts.model_name_or_path, opts.objective, opts.seed)
     data = _Batches(opts, tokenizer)
     rows = []
-    for micro, block, accum in points:
+    for micro, block, accum, divisor in points:
         batches, tokens = data.micro_batches(micro, block, accum)
-        reference = _grads(model, None, _loss, contextlib.nullcontext(), 1.0 / accum, micro_batches=batches)
-        tried = {1.0: _measure(model, batches, accum, reference, 1.0)}
-        settled = _settled(model, batches, accum, reference, opts.max_scale, tried)
+        total = accum * divisor
+        reference = _grads(model, None, _loss, contextlib.nullcontext(), 1.0 / total, micro_batches=batches)
+        tried = {1.0: _measure(model, batches, total, reference, 1.0)}
+        settled = _settled(model, batches, total, reference, opts.max_scale, tried)
         if opts.static_scale not in tried:
-            tried[opts.static_scale] = _measure(model, batches, accum, reference, opts.static_scale)
+            tried[opts.static_scale] = _measure(model, batches, total, reference, opts.static_scale)
         rows.append({
-            "point": f"{micro}x{block}x{accum}", "micro_batch": micro, "block_size": block, "accumulation": accum,
-            "tokens": tokens, "settled_scale": settled,
+            "point": f"{micro}x{block}x{accum}" + (f"/{divisor}" if divisor > 1 else ""),
+            "micro_batch": micro, "block_size": block, "accumulation": accum, "loss_divisor": divisor,
+            "tokens": tokens, "tokens_per_step": tokens * divisor, "settled_scale": settled,
             "at_1": tried[1.0], "at_settled": tried[settled], "at_static": tried[opts.static_scale],
         })  # fmt: skip
         print(_row_text(rows[-1]), flush=True)
@@ -256,6 +277,13 @@ def _pct(x: float | None) -> str:
     return "—" if x is None else percent(x)
 
 
+def _tokens(row: dict[str, Any]) -> str:
+    """Tokens per step; for a `/D` point, the step it stands for (D x the tokens it holds)."""
+    divisor = row.get("loss_divisor", 1)
+    held = f"{row['tokens']:,}"
+    return held if divisor == 1 else f"{row['tokens'] * divisor:,} ({held} x {divisor})"
+
+
 def _cell(m: dict[str, Any]) -> str:
     if m["overflow"]:
         return "overflow"
@@ -268,7 +296,7 @@ def _row_text(row: dict[str, Any]) -> str:
     from .compare import scale_text
 
     return (
-        f"{row['point']:>10} {row['tokens']:>7,} tokens | scale 1: {_cell(row['at_1'])} | settled "
+        f"{row['point']:>10} {_tokens(row):>7} tokens | scale 1: {_cell(row['at_1'])} | settled "
         f"{scale_text(row['settled_scale'])}: {_cell(row['at_settled'])} | static "
         f"{scale_text(row['at_static']['scale'])}: {_cell(row['at_static'])}"
     )
@@ -294,7 +322,7 @@ def format_table(result: dict[str, Any]) -> str:
     for r in result["rows"]:
         one, settled, st = r["at_1"], r["at_settled"], r["at_static"]
         lines.append(
-            f"| {r['point']} | {r['tokens']:,} | {_pct(one['flushed_fraction'])} | {_pct(one['flushed_head'])} | "
+            f"| {r['point']} | {_tokens(r)} | {_pct(one['flushed_fraction'])} | {_pct(one['flushed_head'])} | "
             f"{_pct(one['flushed_rest'])} | {one['relative_grad_error']:.2g} | {scale_text(r['settled_scale'])} | "
             f"{_pct(settled['flushed_fraction'])} | {settled['relative_grad_error']:.2g} | "
             f"{'overflow' if st['overflow'] else _pct(st['flushed_fraction'])} |"
@@ -314,8 +342,8 @@ def write_plot(results: list[dict[str, Any]], path: Path) -> None:
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     colors = ["tab:orange", "tab:blue", "tab:green", "tab:red", "tab:purple"]
     for color, result in zip(colors, results):
-        rows = sorted(result["rows"], key=lambda r: r["tokens"])
-        x = [r["tokens"] for r in rows]
+        rows = sorted(result["rows"], key=lambda r: r["tokens"] * r.get("loss_divisor", 1))
+        x = [r["tokens"] * r.get("loss_divisor", 1) for r in rows]
         name = result.get("label", result["objective"])
         left.plot(
             x,

@@ -99,6 +99,15 @@ class DataTrainingArguments:
     preprocessing_num_workers: int | None = field(
         default=None, metadata={"help": "Processes for tokenization."}
     )
+    loss_divisor: int = field(
+        default=1,
+        metadata={
+            "help": "Simulate D times more tokens per optimizer step (a power of two): every gradient in the "
+            "backward is divided by D, as in a run whose loss averages D times more tokens, and AdamW's "
+            "epsilon and --max_grad_norm are divided with it, so the FP32 updates stay those of this run. "
+            "The logged and evaluated losses are unchanged; logged grad norms are D times smaller."
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.dataset_name is None and self.train_file is None:
@@ -111,6 +120,11 @@ class DataTrainingArguments:
             raise ValueError(f"--mlm_probability must be in (0, 1), got {self.mlm_probability}.")
         if self.block_size is not None and self.block_size < 2:
             raise ValueError(f"--block_size must be at least 2, got {self.block_size}.")
+        if self.loss_divisor < 1 or self.loss_divisor & (self.loss_divisor - 1):
+            raise ValueError(
+                f"--loss_divisor must be a power of two (1, 2, 4, ...), got {self.loss_divisor}: "
+                "dividing by another number would round every gradient, and FP32 would no longer be this run."
+            )
         if not 0 < self.validation_split_percentage < 100:
             raise ValueError(
                 f"--validation_split_percentage must be in (0, 100), got {self.validation_split_percentage}."
@@ -128,6 +142,54 @@ class _EvalFixedMasking:
         if "labels" in features[0]:
             return default_data_collator(features)
         return self.collator(features)
+
+
+class _DivideGradient(torch.autograd.Function):
+    """The identity forward; the backward divides the incoming gradient by `divisor` (exact for a
+    power of two)."""
+
+    @staticmethod
+    def forward(ctx, loss: torch.Tensor, divisor: int) -> torch.Tensor:
+        ctx.divisor = divisor
+        return loss.clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad / ctx.divisor, None
+
+
+class DividedGradientTrainer(LossScaleTrainer):
+    """`LossScaleTrainer` whose training gradients are `loss_divisor` times smaller than the loss
+    says (`--loss_divisor`): the per-token gradient scale of a run with that many times more tokens
+    per optimizer step. `compute_loss` is the Trainer's public hook, so the flushed-fraction probe,
+    which calls it, sees the same small gradients."""
+
+    loss_divisor = 1
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        out = super().compute_loss(
+            model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+        )
+        if self.loss_divisor == 1:
+            return out
+        if return_outputs:
+            return _DivideGradient.apply(out[0], self.loss_divisor), out[1]
+        return _DivideGradient.apply(out, self.loss_divisor)
+
+
+def divide_gradients(training_args, divisor: int) -> None:
+    """Divide AdamW's epsilon and the clipping threshold by `divisor`, with the gradients: Adam's
+    update is then unchanged in FP32 (m / (sqrt(v) + eps) is invariant when g and eps are divided by
+    the same power of two). The clip's own 1e-6 term in `max_norm / (norm + 1e-6)` is not divided,
+    so a clipped step's update changes by about 1e-6 * divisor / norm, relative."""
+    if divisor == 1:
+        return
+    training_args.adam_epsilon /= divisor
+    training_args.max_grad_norm /= divisor
+    logger.info(
+        "--loss_divisor %d: gradients divided by %d; adam_epsilon %.3g, max_grad_norm %.3g.",
+        divisor, divisor, training_args.adam_epsilon, training_args.max_grad_norm,
+    )  # fmt: skip
 
 
 def mask_once(
@@ -230,7 +292,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         mlm = DataCollatorForLanguageModeling(tokenizer, mlm_probability=data_args.mlm_probability)
         eval_dataset = mask_once(eval_dataset, mlm, seed=training_args.seed)
         collator = _EvalFixedMasking(mlm)
-    trainer = LossScaleTrainer(
+    divide_gradients(training_args, data_args.loss_divisor)
+    trainer_class = DividedGradientTrainer if data_args.loss_divisor > 1 else LossScaleTrainer
+    trainer = trainer_class(
         model=model,
         args=training_args,
         train_dataset=train_dataset if training_args.do_train else None,
@@ -238,6 +302,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         processing_class=tokenizer,
         data_collator=collator,
     )
+    if data_args.loss_divisor > 1:
+        trainer.loss_divisor = data_args.loss_divisor
 
     def add_perplexity(eval_metrics: dict[str, float]) -> None:
         try:

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from benchmark_data import DATA, needs_data
 from tiny_models import minilm_path, save_tiny_bert
 
@@ -252,3 +253,63 @@ def test_final_evaluation_is_not_repeated(tmp_path, tiny_model, eval_steps):
     evals = [e for e in events(out) if e["event"] == "log" and "eval_loss" in e]
     assert [e["step"] for e in evals] == ([3] if eval_steps == 3 else [2, 3])
     assert metrics["eval_loss"] == evals[-1]["eval_loss"]
+
+
+def _train_tiny_clm(module, tiny_model, text, out, *extra):
+    module.main([
+        "--do_train", "--model_name_or_path", tiny_model, "--objective", "clm",
+        "--train_file", str(text), "--validation_split_percentage", "10", "--block_size", "32",
+        "--output_dir", str(out), "--max_steps", "4", "--per_device_train_batch_size", "2",
+        "--gradient_accumulation_steps", "2", "--learning_rate", "1e-3", "--report_to", "none",
+        "--save_strategy", "no", "--disable_tqdm", "true", "--logging_steps", "1", *extra,
+    ])  # fmt: skip
+    from safetensors.torch import load_file
+
+    return load_file(out / "model.safetensors"), [e for e in events(out) if e["event"] == "log"]
+
+
+def test_loss_divisor_leaves_fp32_training_bitwise_unchanged(tmp_path, tiny_model):
+    """--loss_divisor 256 divides the gradients, AdamW's epsilon and the clip threshold by 256: in
+    FP32 the weights after 4 steps are bitwise those of the undivided run and the logged loss is the
+    same, while the logged grad norm is 256x smaller. Bugs caught: epsilon or max_grad_norm left
+    undivided (Adam's update changes), the logged loss divided too, a divisor that never reaches
+    the gradients (grad norms equal)."""
+    module = load_recipe("language_modeling")
+    text = tmp_path / "text.txt"
+    text.write_text("\n".join(f"line {i} of a short text about loss scaling in FP16" for i in range(300)))
+    # max_grad_norm high enough that no step clips: the clip's own 1e-6 term is not divided.
+    plain, plain_logs = _train_tiny_clm(module, tiny_model, text, tmp_path / "a", "--max_grad_norm", "1e6")
+    small, small_logs = _train_tiny_clm(
+        module, tiny_model, text, tmp_path / "b", "--max_grad_norm", "1e6", "--loss_divisor", "256"
+    )
+    assert plain.keys() == small.keys()
+    assert all(torch.equal(plain[k], small[k]) for k in plain)
+    losses = [[e["loss"] for e in logs if "loss" in e] for logs in (plain_logs, small_logs)]
+    assert losses[0] == losses[1] and len(losses[0]) == 4
+    norms = [[e["grad_norm"] for e in logs if "grad_norm" in e] for logs in (plain_logs, small_logs)]
+    assert norms[1] == pytest.approx([n / 256 for n in norms[0]], rel=1e-5)
+
+
+def test_loss_divisor_reaches_the_flushed_probe_and_fp16(tmp_path, tiny_model):
+    """In emulated FP16 without scaling the divided gradients flush more: the probe (which computes
+    the loss through the Trainer's compute_loss) reports a larger flushed fraction at divisor 2^12
+    than at 1. Bug caught: the probe measuring the undivided loss, i.e. predicting the wrong run."""
+    module = load_recipe("language_modeling")
+    text = tmp_path / "text.txt"
+    text.write_text("\n".join(f"line {i} of a short text about loss scaling in FP16" for i in range(300)))
+    fractions = []
+    for name, divisor in (("one", "1"), ("many", "4096")):
+        _, logs = _train_tiny_clm(
+            module, tiny_model, text, tmp_path / name, "--fp16", "--loss_scale_init", "1",
+            "--loss_scale_growth_interval", "1000", "--loss_scale_measure_flushed", "--loss_divisor", divisor,
+        )  # fmt: skip
+        probe = next(e for e in events(tmp_path / name) if e["event"] == "flushed_probe")
+        fractions.append(probe["flushed_fraction"])
+    assert fractions[1] > fractions[0] + 0.05, fractions
+
+
+@pytest.mark.parametrize("divisor", ["0", "3", "-2"])
+def test_loss_divisor_must_be_a_power_of_two(divisor):
+    module = load_recipe("language_modeling")
+    with pytest.raises(ValueError, match="power of two"):
+        module.DataTrainingArguments(train_file="x.txt", loss_divisor=int(divisor))

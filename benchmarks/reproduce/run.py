@@ -167,6 +167,20 @@ BENCHMARKS["shakespeare-scratch"] = {
     "model": "scratch",
 }
 
+#: GPU scale by simulation: the from-scratch benchmark with every backward gradient divided by 32 or
+#: 256 (`--loss_divisor`, which divides AdamW's epsilon and the clip threshold with it): the per-token
+#: gradients of 2^17 or 2^20 tokens per optimizer step, on the same 4,096 tokens and the same FP32
+#: updates. FP32 is run too: it measures what the divisor itself changes (only the clip's 1e-6 term).
+for _tag, _divisor in (("128k", 32), ("1m", 256)):
+    BENCHMARKS[f"shakespeare-scratch-{_tag}"] = {
+        **BENCHMARKS["shakespeare-scratch"],
+        "what": "tiny-shakespeare, the 2-layer 128-wide GPT-2 from scratch, 4,096 tokens per optimizer step "
+        f"with gradients divided by {_divisor} (the per-token gradient scale of {4096 * _divisor:,} tokens "
+        "per step), 200 steps",
+        "args": [*BENCHMARKS["shakespeare-scratch"]["args"], "--loss_divisor", str(_divisor)],
+        "settings": "fp32,off,dynamic",
+    }
+
 
 def scratch_model(folder: Path = ROOT / "runs" / "models" / "scratch-gpt2") -> str:
     """The from-scratch decoder's initial weights (seed 0), saved once with MiniLM's tokenizer, so
