@@ -4,7 +4,7 @@ PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 TORCH ?= torch==2.13.0
 
-.PHONY: install install-dev demo test test-slow test-latest lock bench quality format
+.PHONY: install install-dev demo test test-slow test-latest lock bench quality format docs
 
 # The test environment is pinned: constraints.txt holds every package's exact version (see `lock`).
 CONSTRAINTS ?= constraints.txt
@@ -18,7 +18,7 @@ install-dev:
 	$(PIP) install -q -c $(CONSTRAINTS) -e ".[dev]"
 
 demo: install
-	$(PYTHON) -m hf_lossscale.demo
+	$(PYTHON) -m hf_lossscale.tools.cli demo
 
 test: install-dev
 	HF_LOSSSCALE_CHECK_LOCK=1 $(PYTHON) -m pytest -q
@@ -35,7 +35,7 @@ test-latest:
 	.venv-latest/bin/python -m pytest -q
 
 # Regenerate constraints.txt from the newest releases in a fresh venv; then run `make test` and update
-# hf_lossscale/_compat.py's TESTED_VERSIONS (tests/test_compat.py checks the two agree).
+# hf_lossscale/integrations/compat.py's TESTED_VERSIONS (tests/test_compat.py checks the two agree).
 lock:
 	rm -rf .venv-lock && $(PYTHON) -m venv .venv-lock
 	.venv-lock/bin/pip install -q $(TORCH)
@@ -50,6 +50,10 @@ bench: install-dev
 	$(PYTHON) benchmarks/telemetry_overhead.py
 	$(PYTHON) benchmarks/fp16_emulation_speed.py --head mlm --out benchmarks/results/fp16_emulation_speed_mlm.json
 	$(PYTHON) benchmarks/fp16_emulation_speed.py --head cls --out benchmarks/results/fp16_emulation_speed_cls.json
+
+# The documentation site (docs/, mkdocs.yml) into site/; --strict: a broken link or a missing name fails.
+docs: install-dev
+	$(PYTHON) -m mkdocs build --strict --site-dir site
 
 quality:
 	$(PYTHON) -m ruff check .

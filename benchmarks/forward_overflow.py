@@ -17,7 +17,7 @@ Runs, per seed (same data order and head initialisation across settings):
 - `auto`: FP16 + dynamic loss scaling + `fp32_modules="auto"`.
 
 Paired verdicts of `auto` against `fp32` (eval accuracy and loss, 3 seeds) by the rule in
-`hf_lossscale.verdict`; the preflight table of the same checkpoint; the overflow events.
+`hf_lossscale.tools.verdict`; the preflight table of the same checkpoint; the overflow events.
 
     python benchmarks/forward_overflow.py [--steps 150] [--seeds 0 1 2] [--out benchmarks/results/forward_overflow.json]
 
@@ -130,7 +130,7 @@ def train_one(checkpoint: Path, setting: str, seed: int, steps: int, out_dir: Pa
     from transformers import AutoModelForSequenceClassification, AutoTokenizer, DataCollatorWithPadding
 
     from hf_lossscale import LossScaleCollapseError, LossScaleTrainer, LossScaleTrainingArguments
-    from hf_lossscale.events import read_events
+    from hf_lossscale.core.events import read_events
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     texts, labels = read_sst2("train", steps * batch_size)
@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-    from hf_lossscale.preflight import format_preflight, preflight
+    from hf_lossscale.fp16.preflight import format_preflight, preflight
 
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     model = AutoModelForSequenceClassification.from_pretrained(checkpoint).float()

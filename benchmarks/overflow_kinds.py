@@ -30,7 +30,7 @@ def _events(model, out_dir: Path, **args) -> list[dict]:
     from tiny_models import tiny_classification_dataset
 
     from hf_lossscale import LossScaleTrainer, LossScaleTrainingArguments
-    from hf_lossscale.events import read_events
+    from hf_lossscale.core.events import read_events
 
     targs = LossScaleTrainingArguments(
         str(out_dir), fp16=True, max_steps=2, per_device_train_batch_size=8, report_to=[], save_strategy="no",

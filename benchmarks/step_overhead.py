@@ -35,7 +35,7 @@ from pathlib import Path
 import torch
 
 from hf_lossscale import DynamicLossScaler, LossScaleConfig
-from hf_lossscale.telemetry import GradientTelemetry
+from hf_lossscale.core.telemetry import GradientTelemetry
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from sync_count import count_reads  # noqa: E402  (the tests' host-read counter)

@@ -20,8 +20,8 @@ from pathlib import Path
 import torch
 
 from hf_lossscale import DynamicLossScaler, fp16_emulation
-from hf_lossscale.config import LossScaleConfig
-from hf_lossscale.telemetry import GradientTelemetry
+from hf_lossscale.core.config import LossScaleConfig
+from hf_lossscale.core.telemetry import GradientTelemetry
 
 
 def build(tiny: bool, batch: int, seq: int, device: str):

@@ -1,4 +1,4 @@
-"""The underflow map for the README: `hf-lossscale underflow` on MiniLM-L6 as a causal LM and a
+"""The underflow map for the docs (docs/telemetry.md): `hf-lossscale underflow` on MiniLM-L6 as a causal LM and a
 masked LM (tiny-shakespeare) and as a classifier (SST-2), one plot for the three.
 
     python benchmarks/underflow_map.py                 # ../shared/data, the full sweep (~30 CPU-minutes)
@@ -21,7 +21,7 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-from hf_lossscale.underflow import format_table, underflow_map, write_plot  # noqa: E402
+from hf_lossscale.fp16.underflow import format_table, underflow_map, write_plot  # noqa: E402
 
 #: objective -> (data file under the data folder, points)
 SWEEPS = {
@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--write_readme", action="store_true",
-                        help="Only render the tables of every map in --output_dir into README.md's underflow block.")  # fmt: skip
+                        help="Only render the tables of every map in --output_dir into docs/telemetry.md's underflow block.")  # fmt: skip
     parser.add_argument("--output_dir", default=str(HERE / "results"))
     opts = parser.parse_args(argv)
     model = opts.model_name_or_path
@@ -65,8 +65,9 @@ def main(argv: list[str] | None = None) -> int:
 
         maps = [json.loads(p.read_text()) for p in sorted(out.glob("underflow_*.json"))]
         tables = "\n".join(f"**{m.get('label', m['objective'])}**\n\n{format_table(m)}" for m in maps)
-        write_readme(ROOT / "README.md", tables, "<!-- underflow:start -->", "<!-- underflow:end -->")
-        print(f"Updated {ROOT / 'README.md'}")
+        page = ROOT / "docs" / "telemetry.md"
+        write_readme(page, tables, "<!-- underflow:start -->", "<!-- underflow:end -->")
+        print(f"Updated {page}")
         return 0
     jobs = [(objective, objective, model) for objective in opts.objectives]
     if opts.clm_checkpoint:

@@ -12,15 +12,15 @@ __version__ = "0.1.0"
 
 # Public names, loaded with their module on first access.
 _LAZY = {
-    "LossScaleConfig": "config",
-    "fp16_emulation": "emulation",
-    "measure_flushed_fraction": "emulation",
-    "DynamicLossScaler": "scaler",
-    "LossScaleCollapseError": "scaler",
-    "install_loss_scaler": "accelerate_hook",
-    "LossScaleTrainingArguments": "trainer",
-    "LossScaleTrainer": "trainer",
-    "LossScaleMixin": "trainer",
+    "LossScaleConfig": "core.config",
+    "fp16_emulation": "fp16.emulation",
+    "measure_flushed_fraction": "fp16.emulation",
+    "DynamicLossScaler": "core.scaler",
+    "LossScaleCollapseError": "core.scaler",
+    "install_loss_scaler": "integrations.accelerate_hook",
+    "LossScaleTrainingArguments": "integrations.trainer",
+    "LossScaleTrainer": "integrations.trainer",
+    "LossScaleMixin": "integrations.trainer",
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -1,39 +1,7 @@
-"""Device values read on the host without waiting for the device.
+"""Moved to `hf_lossscale.core.hostcopy`; this path stays for one release: importing it gives that module."""
 
-`HostCopy(tensor)` queues a non-blocking copy into host memory (pinned on CUDA) and records an
-event; `ready()` asks the event without blocking and `value()` reads the copy once it has landed.
-On the CPU the copy is immediate. The scaler reads its counters and overflow flags this way, so a
-training step never waits for the GPU. Host copies carry `HOST_MIRROR_ATTR`, which the sync
-counter (`tests/sync_count.py`) uses to tell them from reads of device values.
-"""
+import sys
 
-from __future__ import annotations
+from hf_lossscale.core import hostcopy as _moved
 
-from typing import Any
-
-import torch
-
-HOST_MIRROR_ATTR = "_hf_lossscale_host_copy"
-
-
-class HostCopy:
-    def __init__(self, tensor: torch.Tensor) -> None:
-        device = tensor.device
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=device.type == "cuda")
-        setattr(host, HOST_MIRROR_ATTR, True)
-        host.copy_(tensor.detach(), non_blocking=device.type != "cpu")
-        self._host = host
-        self._event: Any = None
-        if device.type != "cpu":
-            self._event = torch.Event(device.type)
-            self._event.record()
-
-    def ready(self) -> bool:
-        """Whether the copy has landed (never blocks)."""
-        return self._event is None or bool(self._event.query())
-
-    def value(self) -> Any:
-        """The copied value as Python numbers; only once `ready()`."""
-        if not self.ready():
-            raise RuntimeError("HostCopy.value() before the copy landed; ask ready() first.")
-        return self._host.tolist()
+sys.modules[__name__] = _moved

@@ -148,7 +148,7 @@ step's distribution against FP16's limits: what falls below the 2^-24 line is lo
     ),
     (
         "code",
-        """from hf_lossscale.report import _heatmap
+        """from hf_lossscale.tools.report import exponent_heatmap
 snapshots = []
 for scale in (1.0, 2.0 ** 8, 2.0 ** 16):
     torch.manual_seed(0)
@@ -166,7 +166,7 @@ for scale in (1.0, 2.0 ** 8, 2.0 ** 16):
     print(f"scale {snap['step']:>5}: zero {snap['zero_frac']:.1%}, subnormal {snap['subnormal_frac']:.1%}, "
           f"headroom {snap['headroom_bits']:.1f} bits")
 fig, ax = plt.subplots(figsize=(7, 5))
-_heatmap(ax, snapshots, "scaled gradients at scales 2^0, 2^8, 2^16 (x axis)")
+exponent_heatmap(ax, snapshots, "scaled gradients at scales 2^0, 2^8, 2^16 (x axis)")
 plt.show()""",
     ),
     (

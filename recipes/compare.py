@@ -7,7 +7,7 @@ and write summary.md, metrics.json and plots. A thin entry point to `hf-lossscal
 
 import sys
 
-from hf_lossscale.cli import main
+from hf_lossscale.tools.cli import main
 
 if __name__ == "__main__":
     sys.exit(main(["compare", *sys.argv[1:]]))

@@ -1,7 +1,7 @@
 """torch's CUDA autocast op tables, transcribed: the oracle for `fp16_emulation(policy="cuda")`,
 which cannot be checked against real CUDA autocast without a GPU.
 
-Sources, for the pinned torch 2.13 (`hf_lossscale/_compat.py`), transcribed 2026-12-03:
+Sources, for the pinned torch 2.13 (`hf_lossscale/integrations/compat.py`), transcribed 2026-12-03:
 
 - `HEADER`: the op lists of `aten/src/ATen/autocast_mode.h` as shipped in the torch 2.13.0 wheel
   (`torch/include/ATen/autocast_mode.h`): `AT_FORALL_LOWER_PRECISION_FP` (FP16),

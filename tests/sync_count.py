@@ -5,7 +5,7 @@ A read is any of `item()`, `tolist()`, `numpy()`, `cpu()`, a blocking `to()` tow
 `bool()`, `float()`, `int()`, `index()` of a tensor, seen at the Python level (`TorchFunctionMode`), plus
 `aten._local_scalar_dense` calls that C++ code makes on its own (`TorchDispatchMode`). On a CPU-only
 run every tensor stands for a device tensor (the CPU proxy of a CUDA sync), except the host copies
-the scaler makes on purpose (`hf_lossscale._hostcopy.HostCopy`): reading those never waits for a
+the scaler makes on purpose (`hf_lossscale.core.hostcopy.HostCopy`): reading those never waits for a
 device. Reads inside Python code that itself runs under a torch function (`F.*`) are seen only
 through the dispatch fallback.
 """
@@ -16,7 +16,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from hf_lossscale._hostcopy import HOST_MIRROR_ATTR
+from hf_lossscale.core.hostcopy import HostCopy
 
 _READS = {
     torch.Tensor.item,
@@ -63,10 +63,12 @@ class CountHostReads(TorchFunctionMode):
         self.count = 0
         self.reads: list[str] = []
         self._inside = False
+        self._reading_host_copy = False
         self._dispatch = _Dispatch(self)
+        self._host_copy_value = None
 
     def _count(self, what: str, tensor) -> None:
-        if isinstance(tensor, torch.Tensor) and getattr(tensor, HOST_MIRROR_ATTR, False):
+        if self._reading_host_copy:
             return
         self.count += 1
         self.reads.append(what)
@@ -83,7 +85,21 @@ class CountHostReads(TorchFunctionMode):
         finally:
             self._inside = saved
 
+    def _wrap_host_copies(self) -> None:
+        original, owner = HostCopy.value, self
+
+        def value(copy):
+            saved, owner._reading_host_copy = owner._reading_host_copy, True
+            try:
+                return original(copy)
+            finally:
+                owner._reading_host_copy = saved
+
+        self._host_copy_value = original
+        HostCopy.value = value
+
     def __enter__(self):
+        self._wrap_host_copies()
         self._dispatch.__enter__()
         return super().__enter__()
 
@@ -92,6 +108,7 @@ class CountHostReads(TorchFunctionMode):
             return super().__exit__(*exc)
         finally:
             self._dispatch.__exit__(*exc)
+            HostCopy.value = self._host_copy_value
 
 
 CountScalarReads = CountHostReads  # the earlier name

@@ -8,7 +8,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from tiny_models import tiny_mlp
 
 from hf_lossscale import DynamicLossScaler, LossScaleConfig, install_loss_scaler
-from hf_lossscale.accelerate_hook import LossScaledOptimizer
+from hf_lossscale.integrations.accelerate_hook import LossScaledOptimizer
 
 
 def run(order, optimizer="adamw_fused", steps=5, bad=(2,), clip=True, fp16_on_cpu="native"):

@@ -19,7 +19,7 @@ from autocast_ops import NOT_CALLED, SAMPLES
 from autocast_tables import HEADER, cuda_table
 
 from hf_lossscale import fp16_emulation
-from hf_lossscale.emulation import FP16_OPS_BY_POLICY, POLICIES
+from hf_lossscale.fp16.emulation import FP16_OPS_BY_POLICY, POLICIES
 
 HEADER_FILE = Path(torch.__file__).parent / "include" / "ATen" / "autocast_mode.h"
 

@@ -8,7 +8,7 @@ import math
 import pytest
 
 from hf_lossscale import DynamicLossScaler, LossScaleConfig, LossScaleTrainingArguments
-from hf_lossscale.config import resolve_config
+from hf_lossscale.core.config import resolve_config
 
 # (field, bad value, what the message must say about the allowed values)
 FIELDS = [

@@ -111,7 +111,7 @@ def test_gpu_prepare_manifest_is_checked():
     """The carried folder's manifest: the wheels are the tested pins, each package has its wheel,
     and what travels fits in 64 MiB. Bug caught: a stale wheel (transformers 5.17) or a folder that
     would be refused for its size."""
-    from hf_lossscale._compat import TESTED_VERSIONS, major_minor
+    from hf_lossscale.integrations.compat import TESTED_VERSIONS, major_minor
 
     prep = load("gpu_prepare")
     pins = prep.pinned()

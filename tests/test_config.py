@@ -111,16 +111,16 @@ def test_file_errors_name_the_file(tmp_path):
 
 
 def test_config_module_is_torch_free():
-    """A launcher or CI step can build and check a config as users import it (`hf_lossscale.config`,
+    """A launcher or CI step can build and check a config as users import it (`hf_lossscale.core.config`,
     `from hf_lossscale import LossScaleConfig`), package `__init__` included, without importing torch.
     Bug caught: a torch import in the config path or an eager import in the package's `__init__`."""
     import subprocess
     import sys
 
     code = (
-        "import sys, hf_lossscale.config\n"
+        "import sys, hf_lossscale.core.config\n"
         "from hf_lossscale import LossScaleConfig\n"
-        "LossScaleConfig(fp32_modules='auto').to_dict(); hf_lossscale.config.config_from_env({})\n"
+        "LossScaleConfig(fp32_modules='auto').to_dict(); hf_lossscale.core.config.config_from_env({})\n"
         "print('torch' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -141,7 +141,7 @@ def test_training_arguments_follow_the_config_field_by_field():
     import typing
 
     from hf_lossscale import LossScaleConfig, LossScaleTrainingArguments
-    from hf_lossscale.trainer import ARG_TO_FIELD, _shown
+    from hf_lossscale.integrations.trainer import ARG_TO_FIELD, _shown
 
     config_fields = {f.name: f for f in dataclasses.fields(LossScaleConfig)}
     arg_fields = {f.name: f for f in dataclasses.fields(LossScaleTrainingArguments)}

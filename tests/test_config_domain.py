@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from reference_rule import ReferenceScaler
 
 from hf_lossscale import DynamicLossScaler, LossScaleConfig
-from hf_lossscale.config import INT32_MAX, INT64_MAX, SCALE_MAX, SCALE_MIN
+from hf_lossscale.core.config import INT32_MAX, INT64_MAX, SCALE_MAX, SCALE_MIN
 
 
 def f32(x: float) -> float:
@@ -152,7 +152,7 @@ def test_naming_parameters_is_linear_in_tensors():
     """Issue 30: without `set_parameter_names`, naming scanned the optimizer's list for every tensor
     (69 s at 60,000 tensors). Counted, not timed: the optimizer's groups are walked once per
     optimizer, however many tensors are named. Bug caught: the scan per tensor coming back."""
-    from hf_lossscale.scaler_observers import ParameterNames
+    from hf_lossscale.core.scaler_observers import ParameterNames
 
     params = [torch.nn.Parameter(torch.zeros(1)) for _ in range(2000)]
     opt = torch.optim.SGD(params, lr=0.1)

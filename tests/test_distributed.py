@@ -96,7 +96,7 @@ def test_found_inf_sync_is_chosen_by_distributed_type():
 
     from accelerate.utils import DistributedType
 
-    from hf_lossscale.accelerate_hook import needs_found_inf_sync
+    from hf_lossscale.integrations.accelerate_hook import needs_found_inf_sync
 
     def acc(kind, version=None):
         plugin = SimpleNamespace(fsdp_version=version) if version else None
@@ -151,7 +151,7 @@ def test_deepspeed_fp16_section_is_checked_and_its_figures_logged():
     from types import SimpleNamespace
 
     from hf_lossscale import LossScaleConfig
-    from hf_lossscale.trainer import check_deepspeed_fp16, deepspeed_scale_figures
+    from hf_lossscale.integrations.trainer import check_deepspeed_fp16, deepspeed_scale_figures
 
     config = LossScaleConfig(init_scale=2.0**12, hysteresis=2)
     with pytest.warns(UserWarning, match=r"hysteresis=4 \(config: 2\).*not set there.*min_loss_scale"):

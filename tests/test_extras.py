@@ -13,7 +13,7 @@ def test_a_tool_without_its_extra_names_the_extra(monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     with pytest.raises(ImportError, match=r"pip install 'hf_lossscale\[tools\]'"):
         need("matplotlib", "a plot", "tools")
-    from hf_lossscale.report import make_report
+    from hf_lossscale.tools.report import make_report
 
     (tmp_path / "loss_scale_log.jsonl").write_text('{"event": "run_start", "time": 0}\n')
     with pytest.raises(

@@ -86,7 +86,7 @@ def _data_args(module, task, files, **extra):
 def test_task_picks_columns_labels_and_reads_glue_files(task, tmp_path):
     """Each task's columns and label ids from its GLUE files: catches a GLUE column left unrenamed (MRPC's
     `#1 String`), CoLA's first row taken as a header, MNLI's labels in another order than the Hub's."""
-    from recipe_args import ModelArguments, load_raw_datasets
+    from hf_lossscale.recipes.recipe_args import ModelArguments, load_raw_datasets
 
     module = load_recipe("text_classification")
     data = _data_args(module, task, glue_files(task, tmp_path))
@@ -166,7 +166,7 @@ def test_unknown_label_value_is_an_error_naming_it():
 
 def test_glob_train_file_and_missing_file(tmp_path):
     """A glob reads every match (datasets' own pattern support stays); a missing file is named."""
-    from recipe_args import ModelArguments, load_raw_datasets
+    from hf_lossscale.recipes.recipe_args import ModelArguments, load_raw_datasets
 
     module = load_recipe("text_classification")
     for part in ("a", "b"):

@@ -14,9 +14,9 @@ from tiny_models import scaler_step as _step
 from tiny_models import tiny_bert_classifier, tiny_classification_dataset
 
 from hf_lossscale import DynamicLossScaler, LossScaleCollapseError, LossScaleConfig, fp16_emulation
-from hf_lossscale.fp32_modules import fp32_module_names, modules_matching, run_in_fp32, unwrap
-from hf_lossscale.overflow import find_overflow_origin
-from hf_lossscale.preflight import format_preflight, preflight
+from hf_lossscale.core.overflow import find_overflow_origin
+from hf_lossscale.fp16.fp32_modules import fp32_module_names, modules_matching, run_in_fp32, unwrap
+from hf_lossscale.fp16.preflight import format_preflight, preflight
 
 ROOT = Path(__file__).resolve().parents[1]
 QUERY = "bert.encoder.layer.1.attention.self.query"
@@ -276,7 +276,7 @@ def test_models_own_keep_in_fp32_modules_join():
 
 
 def test_config_fp32_modules_from_strings_env_and_files(tmp_path):
-    from hf_lossscale.config import resolve_config
+    from hf_lossscale.core.config import resolve_config
 
     assert LossScaleConfig(fp32_modules="auto, a.b ,").fp32_modules == ("auto", "a.b")
     assert LossScaleConfig(fp32_modules=["x"]).fp32_patterns == ("x",)
@@ -328,7 +328,7 @@ def test_preflight_finds_the_modules_auto_would_and_leaves_the_model_alone():
 # ---------------------------------------------------------------------- the Trainer
 def _train(tmp_path, model, max_steps=6, **args):
     from hf_lossscale import LossScaleTrainer, LossScaleTrainingArguments
-    from hf_lossscale.events import read_events
+    from hf_lossscale.core.events import read_events
 
     targs = LossScaleTrainingArguments(
         str(tmp_path), fp16=True, max_steps=max_steps, per_device_train_batch_size=8, learning_rate=1e-3,
@@ -444,7 +444,7 @@ def test_preflight_command_on_a_saved_checkpoint(tmp_path, capsys):
     from tiny_models import save_tiny_bert
     from transformers import BertForMaskedLM
 
-    from hf_lossscale.cli import main
+    from hf_lossscale.tools.cli import main
 
     save_tiny_bert(tmp_path / "plain")
     model = BertForMaskedLM.from_pretrained(tmp_path / "plain")
@@ -474,8 +474,8 @@ def test_transient_overflow_is_reported_as_not_reproduced_and_replays_are_not_ke
     says so and training goes on. Bug caught: the replay's own forwards captured as batches of the
     step, so a replay that finds nothing replays the batches it just added, forever."""
     from hf_lossscale import LossScaleTrainer, LossScaleTrainingArguments
-    from hf_lossscale.callbacks import OverflowDiagnosisCallback
-    from hf_lossscale.events import read_events
+    from hf_lossscale.core.events import read_events
+    from hf_lossscale.integrations.callbacks import OverflowDiagnosisCallback
 
     class Transient(LossScaleTrainer):
         def training_step(self, model, inputs, num_items_in_batch=None):
@@ -517,7 +517,7 @@ def test_transient_overflow_is_reported_as_not_reproduced_and_replays_are_not_ke
 def test_replay_draws_the_training_steps_dropout_masks():
     """Bug caught: a replay that draws other dropout masks, so an overflow that depends on the mask
     (the transient backward overflows of forward_overflow.py's runs) is called "not reproduced"."""
-    from hf_lossscale.overflow import rng_state
+    from hf_lossscale.core.overflow import rng_state
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 64), torch.nn.Dropout(0.5), torch.nn.Linear(64, 1)).train()
     seen = []
@@ -538,7 +538,7 @@ def test_trainer_resume_keeps_the_modules_auto_moved(tmp_path):
     from its first step (no skip, no new move). Bug caught: the scaler state's `fp32_modules` saved but
     not re-applied on resume, so every resume pays the forward overflows again."""
     from hf_lossscale import LossScaleTrainer, LossScaleTrainingArguments
-    from hf_lossscale.events import read_events
+    from hf_lossscale.core.events import read_events
 
     def trainer_for(max_steps):
         model, _ = overflowing_bert()

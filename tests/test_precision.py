@@ -7,7 +7,7 @@ import pytest
 import torch
 from tiny_models import save_tiny_bert
 
-from hf_lossscale.precision import logprob_gap
+from hf_lossscale.fp16.precision import logprob_gap
 
 
 def tiny_llama(seed=0, vocab=96):
@@ -71,7 +71,7 @@ def test_an_fp16_overflow_is_counted_not_averaged():
 
 
 def test_precision_command_writes_table_json_and_plot(tmp_path):
-    from hf_lossscale.cli import main
+    from hf_lossscale.tools.cli import main
 
     model = save_tiny_bert(tmp_path / "model")
     text = tmp_path / "text.txt"

@@ -1,4 +1,6 @@
-"""The README, read top to bottom, works as written: every ```bash and ```python block runs.
+"""The README and the docs pages, read top to bottom, work as written: every ```bash and ```python
+block runs. Pages are read in the site's order (README.md, then mkdocs.yml's nav), and the Python
+blocks of all of them run in one namespace, so a page may use what an earlier one built.
 
 A block right after a `<!-- readme-test: skip (why) -->` line is not run (it needs a GPU or the
 network); every other block is. A block that reads the benchmark data (`../shared/data` in it, or
@@ -41,9 +43,18 @@ SHORT_FORMS = [
 ]  # fmt: skip
 
 
-def blocks():
-    """(line, language, code, skip reason or None) of each fenced bash/python block."""
-    lines = (ROOT / "README.md").read_text().splitlines()
+def pages():
+    """README.md, then the docs pages in mkdocs.yml's nav order (every page under docs/ in it)."""
+    import yaml
+
+    nav = yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"]
+    return [ROOT / "README.md", *(ROOT / "docs" / next(iter(entry.values())) for entry in nav)]
+
+
+def blocks(page):
+    """(where, language, code, skip reason or None) of each fenced bash/python block of `page`."""
+    lines = page.read_text().splitlines()
+    name = page.relative_to(ROOT).as_posix()
     out, i = [], 0
     while i < len(lines):
         fence = re.match(r"^```(bash|python)\s*$", lines[i])
@@ -54,7 +65,7 @@ def blocks():
             code = "\n".join(lines[i + 1 : end])
             if before.strip() == NEEDS_DATA:
                 code = "# reads ../shared/data\n" + code
-            out.append((i + 1, fence.group(1), code, skip and skip.group(1)))
+            out.append((f"{name}:{i + 1}", fence.group(1), code, skip and skip.group(1)))
             i = end
         i += 1
     return out
@@ -86,20 +97,32 @@ def short_form(command, runs):
     return command.replace("../shared/data", str(DATA))
 
 
-BLOCKS = blocks()
+PAGES = pages()
+BLOCKS = [b for page in PAGES for b in blocks(page)]
 
 
-def test_readme_has_blocks_and_every_skip_says_why():
+def test_every_docs_page_is_in_the_nav():
+    """Bug caught: a page added to docs/ but not to mkdocs.yml's nav, whose blocks nobody runs."""
+    assert sorted(p.name for p in (ROOT / "docs").glob("*.md")) == sorted(p.name for p in PAGES[1:])
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_page_blocks_and_every_skip_says_why(page):
     """Bug caught: a marker that matches nothing (a typo skips silently nothing, or everything)."""
-    assert sum(lang == "python" for _, lang, _, _ in BLOCKS) >= 4
-    assert sum(lang == "bash" for _, lang, _, _ in BLOCKS) >= 6
-    lines = [line.strip() for line in (ROOT / "README.md").read_text().splitlines()]
+    found = blocks(page)
+    lines = [line.strip() for line in page.read_text().splitlines()]
     skips = [line for line in lines if line.startswith("<!-- readme-test: skip")]
-    assert len(skips) == sum(skip is not None for *_, skip in BLOCKS) >= 3
+    assert len(skips) == sum(skip is not None for *_, skip in found)
     assert lines.count(NEEDS_DATA) == sum(
-        code.startswith("# reads ../shared/data") for _, _, code, _ in BLOCKS
+        code.startswith("# reads ../shared/data") for _, _, code, _ in found
     )
     assert all(line in (NEEDS_DATA, *skips) for line in lines if line.startswith("<!-- readme-test"))
+
+
+def test_the_pages_have_blocks():
+    assert sum(lang == "python" for _, lang, _, _ in BLOCKS) >= 4
+    assert sum(lang == "bash" for _, lang, _, _ in BLOCKS) >= 6
+    assert sum(skip is not None for *_, skip in BLOCKS) >= 3
 
 
 def test_short_forms():
@@ -136,13 +159,13 @@ def test_python_blocks_run_in_order(yours, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     namespace = dict(yours)
     ran = 0
-    for line, lang, code, skip in BLOCKS:
+    for where, lang, code, skip in BLOCKS:
         if lang != "python" or skip:
             continue
         try:
-            exec(compile(code, f"README.md:{line}", "exec"), namespace)
+            exec(compile(code, where, "exec"), namespace)
         except Exception as err:
-            raise AssertionError(f"README.md line {line}: the Python block fails: {err!r}") from err
+            raise AssertionError(f"{where}: the Python block fails: {err!r}") from err
         ran += 1
     assert ran >= 4 and namespace["scaler"].stats()["total_steps"] > 0
 
@@ -157,9 +180,9 @@ def _needs_data(code):
     return "../shared/data" in code and not DATA.is_dir() and not REQUIRED
 
 
-@pytest.mark.parametrize("line,code", [(b[0], b[2]) for b in BLOCKS if b[1] == "bash" and not b[3]],
-                         ids=lambda v: f"line{v}" if isinstance(v, int) else None)  # fmt: skip
-def test_shell_block_runs(line, code, runs):
+@pytest.mark.parametrize("where,code", [(b[0], b[2]) for b in BLOCKS if b[1] == "bash" and not b[3]],
+                         ids=lambda v: v if ".md:" in v else None)  # fmt: skip
+def test_shell_block_runs(where, code, runs):
     if _needs_data(code):
         pytest.skip(f"reads the benchmark data, not found at {DATA} (HF_LOSSSCALE_DATA)")
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
@@ -168,5 +191,31 @@ def test_shell_block_runs(line, code, runs):
         result = subprocess.run(["bash", "-c", short], cwd=ROOT, env=env, capture_output=True, text=True,
                                 timeout=900)  # fmt: skip
         assert result.returncode == 0, (
-            f"README.md line {line}: `{command}` (run as `{short}`) failed:\n{(result.stdout + result.stderr)[-3000:]}"
+            f"{where}: `{command}` (run as `{short}`) failed:\n{(result.stdout + result.stderr)[-3000:]}"
         )
+
+
+def test_docs_site_builds_strict(tmp_path):
+    """`make docs`: mkdocs builds the site with --strict (mkdocs.yml), so a broken link, a page
+    outside the nav or an API name that no longer exists fails here. Bug caught: a page moved or a
+    public name renamed without the docs following."""
+    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                            cwd=ROOT, capture_output=True, text=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    api = (tmp_path / "site" / "api" / "index.html").read_text()
+    assert "growth_interval" in api and "install_loss_scaler" in api  # the docstrings were rendered
+
+
+def test_docs_build_fails_on_a_broken_link(tmp_path):
+    """The check above can fail: the same build with one link to a missing page is refused."""
+    import shutil
+
+    shutil.copytree(ROOT / "docs", tmp_path / "docs", symlinks=True)
+    shutil.copy(ROOT / "mkdocs.yml", tmp_path / "mkdocs.yml")
+    (tmp_path / "benchmarks").symlink_to(ROOT / "benchmarks")
+    (tmp_path / "hf_lossscale").symlink_to(ROOT / "hf_lossscale")
+    page = tmp_path / "docs" / "accelerate.md"
+    page.write_text(page.read_text() + "\nSee [the missing page](missing.md).\n")
+    result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                            cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})  # fmt: skip
+    assert result.returncode != 0 and "missing.md" in result.stderr

@@ -16,11 +16,7 @@ RECIPES = ["text_classification", "language_modeling"]
 
 
 def load_recipe(name):
-    spec = importlib.util.spec_from_file_location(f"recipe_{name}", ROOT / "recipes" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their annotations through sys.modules
-    spec.loader.exec_module(module)
-    return module
+    return importlib.import_module(f"hf_lossscale.recipes.{name}")
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +35,7 @@ def shared(*parts):
 
 @pytest.mark.parametrize("name", RECIPES)
 def test_help_lists_every_flag(name, capsys):
-    from hf_lossscale.trainer import ARG_TO_FIELD
+    from hf_lossscale.integrations.trainer import ARG_TO_FIELD
 
     module = load_recipe(name)
     with pytest.raises(SystemExit) as exit_info:
@@ -53,7 +49,7 @@ def test_help_lists_every_flag(name, capsys):
 
 
 def test_compare_entry_points_help(capsys):
-    from hf_lossscale.cli import main
+    from hf_lossscale.tools.cli import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["compare", "--help"])
@@ -74,9 +70,8 @@ def test_compare_entry_points_help(capsys):
 
 
 def test_config_file_sets_defaults_and_flags_win(tmp_path):
-    from recipe_args import make_parser, parse_args
-
     from hf_lossscale import LossScaleTrainingArguments
+    from hf_lossscale.recipes.recipe_args import make_parser, parse_args
 
     config = tmp_path / "run.yaml"
     config.write_text(
@@ -145,7 +140,7 @@ def test_text_columns_as_run_glue_picks_them():
 
 
 def events(output_dir):
-    from hf_lossscale.events import read_run_events
+    from hf_lossscale.core.events import read_run_events
 
     return read_run_events(Path(output_dir) / "loss_scale_log.jsonl")
 

@@ -56,8 +56,8 @@ def test_histogram_of_known_values():
     """log2|g| bins: 2^-30 (flushed in FP16) in [-25,-24); 3.0 in [1,2); 1e5 in [16,17)."""
     import torch
 
-    from hf_lossscale.telemetry import bucket_counts
-    from hf_lossscale.tensorboard import log2_histogram
+    from hf_lossscale.core.telemetry import bucket_counts
+    from hf_lossscale.integrations.tensorboard import log2_histogram
 
     h = log2_histogram(bucket_counts(torch.tensor([0.0, 2.0**-30, 3.0, 3.5, 1e5, float("inf")])).tolist())
     bins = dict(zip(h["bucket_limits"], h["bucket_counts"]))

@@ -311,7 +311,7 @@ def test_terminating_the_runner_stops_its_child(tmp_path):
         f"import os, time\nopen({str(pidfile)!r}, 'w').write(str(os.getpid()))\ntime.sleep(120)\n"
     )
     runner = subprocess.Popen(
-        [sys.executable, "-m", "hf_lossscale.cli", "compare", str(script), "--settings", "fp32", "--seeds", "0",
+        [sys.executable, "-m", "hf_lossscale.tools.cli", "compare", str(script), "--settings", "fp32", "--seeds", "0",
          "--max_steps", "1", "--output_dir", str(tmp_path / "out")],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip

@@ -429,3 +429,23 @@ def test_cuda_fused_path_has_no_sync():
     stats = scaler.stats()  # reading syncs, by design, once
     assert stats["total_steps"] == 5 and stats["skipped_steps"] == 1
     assert scaler.telemetry.read()["headroom_bits"] is not None
+
+
+def test_sync_counter_tells_host_copies_from_device_reads():
+    """The counter skips what `HostCopy.value()` reads (a copy already on the host) and counts the same
+    read made outside it, and puts `HostCopy.value` back on exit. Bugs caught: a counter that ignores
+    every read of a host-memory tensor (on the CPU all tensors are, so it would count nothing), one
+    that counts host copies (the fused path would show syncs it does not make), a wrapper left behind."""
+    from sync_count import CountHostReads
+
+    from hf_lossscale.core.hostcopy import HostCopy
+
+    original = HostCopy.value
+    flag = torch.tensor([1.0, 0.0])
+    with CountHostReads() as counter:
+        copy = HostCopy(flag)
+        assert copy.value() == [1.0, 0.0]
+        assert counter.count == 0
+        flag.tolist()
+        assert counter.count == 1 and counter.reads == ["tolist"]
+    assert HostCopy.value is original

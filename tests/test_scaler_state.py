@@ -10,8 +10,8 @@ import torch
 from tiny_models import scaler_step
 
 from hf_lossscale import DynamicLossScaler, LossScaleConfig
-from hf_lossscale.scaler_observers import ScalerObserver
-from hf_lossscale.scaler_state import FIELDS, ScalerState
+from hf_lossscale.core.scaler_observers import ScalerObserver
+from hf_lossscale.core.scaler_state import FIELDS, ScalerState
 
 OLD_STATE = Path(__file__).parent / "data" / "scaler_state_v1.pt"
 
@@ -110,24 +110,33 @@ def test_observer_is_called_at_fixed_points():
     ]  # fmt: skip
 
 
-def test_without_observers_nothing_is_named_or_polled():
-    """With the observer list emptied the scaler still skips and backs off (the protocol and the
-    rule need no observer), but names nothing and never raises a collapse."""
+def test_emptying_the_observers_keeps_names_and_the_collapse_check():
+    """`observers` holds only the optional observers (telemetry): with it emptied, overflowing
+    parameters are still named and the collapse check still raises at `max_consecutive_skips`.
+    Bug caught: the collapse check living in the user-editable list, so `observers.clear()` (to drop
+    telemetry) silently lets a run skip every step forever."""
+    from hf_lossscale import LossScaleCollapseError
+
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    scaler = DynamicLossScaler(init_scale=2.0**4, max_consecutive_skips=2, min_scale=1.0)
+    scaler = DynamicLossScaler(init_scale=2.0**4, max_consecutive_skips=3, min_scale=1.0)
+    scaler.set_parameter_names(model)
     scaler.observers.clear()
-    for _ in range(4):
+    scaler_step(scaler, model, opt, grad_inf=True)
+    assert scaler.overflow_params  # named without any observer in the list
+    scaler_step(scaler, model, opt, grad_inf=True)
+    with pytest.raises(LossScaleCollapseError):
         scaler_step(scaler, model, opt, grad_inf=True)
-    assert scaler.stats()["consecutive_skips"] == 4
-    assert scaler.get_scale() == 1.0
-    assert scaler.overflow_params == []
 
 
 def test_off_mode_has_no_observers():
-    assert DynamicLossScaler(mode="off").observers == []
-    assert len(DynamicLossScaler().observers) == 2
+    off = DynamicLossScaler(mode="off")
+    assert off.observers == [] and off.skip_watch is None
+    from hf_lossscale.core.scaler_observers import SkipWatch, TelemetryWatch
+
+    on = DynamicLossScaler()
+    assert isinstance(on.skip_watch, SkipWatch) and [type(o) for o in on.observers] == [TelemetryWatch]
 
 
 @pytest.mark.parametrize("mode", ["dynamic", "static"])

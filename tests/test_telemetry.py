@@ -10,8 +10,8 @@ from sync_count import count_reads
 from tiny_models import save_tiny_bert, tiny_bert_classifier, tiny_classification_dataset
 
 from hf_lossscale import DynamicLossScaler, LossScaleTrainer, LossScaleTrainingArguments
-from hf_lossscale.events import read_run_events
-from hf_lossscale.telemetry import (
+from hf_lossscale.core.events import read_run_events
+from hf_lossscale.core.telemetry import (
     BUCKETS,
     ActivationGradientProbe,
     bucket_counts,
@@ -175,7 +175,7 @@ def test_trainer_logs_telemetry_and_diagnoses_overflows(tmp_path):
 
 
 def test_report_end_to_end(tmp_path):
-    from hf_lossscale.cli import main
+    from hf_lossscale.tools.cli import main
 
     run_trainer(tmp_path)
     assert main(["report", str(tmp_path / "out")]) == 0
@@ -197,7 +197,7 @@ def test_report_end_to_end(tmp_path):
 
 
 def test_advise_end_to_end_on_a_local_model(tmp_path, capsys):
-    from hf_lossscale.cli import main
+    from hf_lossscale.tools.cli import main
 
     model = save_tiny_bert(tmp_path / "model")
     text = tmp_path / "text.txt"

@@ -270,7 +270,7 @@ def test_accelerate_launch_configured_through_environment(tmp_path):
 
 
 def test_event_log_and_flushed_probe_leave_training_unchanged(tmp_path):
-    from hf_lossscale.events import read_run_events
+    from hf_lossscale.core.events import read_run_events
 
     _, plain, _, _ = train(tmp_path / "a", gradient_accumulation_steps=2, loss_scale_event_log=False)
     _, probed, _, _ = train(tmp_path / "b", gradient_accumulation_steps=2, loss_scale_measure_flushed=True)
@@ -288,7 +288,7 @@ def test_event_log_and_flushed_probe_leave_training_unchanged(tmp_path):
 
 def test_event_log_records_a_collapse_and_appends_on_rerun(tmp_path):
     from hf_lossscale import LossScaleCollapseError
-    from hf_lossscale.events import read_events, read_run_events
+    from hf_lossscale.core.events import read_events, read_run_events
 
     with pytest.raises(LossScaleCollapseError):
         train(tmp_path, bad_steps=range(100), loss_scale_max_consecutive_skips=3)
@@ -308,7 +308,7 @@ def test_accumulated_loss_is_averaged_for_models_that_ignore_num_items(tmp_path)
     makes the Trainer divide instead; a model that uses num_items_in_batch is left alone."""
     from transformers import BertConfig, BertForMaskedLM, BertLMHeadModel
 
-    from hf_lossscale.loss_normalisation import loss_ignores_num_items
+    from hf_lossscale.integrations.loss_normalisation import loss_ignores_num_items
 
     config = BertConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
                         intermediate_size=32, is_decoder=True, hidden_dropout_prob=0.0,
@@ -357,7 +357,7 @@ def test_accumulated_loss_fix_looks_through_peft_and_can_be_turned_off(tmp_path)
     peft = pytest.importorskip("peft")
     from transformers import BertConfig, BertForMaskedLM, BertLMHeadModel
 
-    from hf_lossscale.events import read_run_events
+    from hf_lossscale.core.events import read_run_events
 
     config = dict(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32,
                   hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)  # fmt: skip

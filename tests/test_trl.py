@@ -42,7 +42,7 @@ class LrRecorder(TrainerCallback):
 def sft(tmp_path, tokenizer, bad_steps=(), resume=None, **kw):
     from datasets import Dataset
 
-    from hf_lossscale.trl_trainers import FP16SFTConfig, FP16SFTTrainer
+    from hf_lossscale.integrations.trl_trainers import FP16SFTConfig, FP16SFTTrainer
 
     class Injecting(FP16SFTTrainer):
         def compute_loss(self, model, inputs, *args, **kwargs):
@@ -99,7 +99,12 @@ def test_dpo_and_grpo_train_under_the_scaler(which, tmp_path, tokenizer):
     from datasets import Dataset
 
     from hf_lossscale import DynamicLossScaler
-    from hf_lossscale.trl_trainers import FP16DPOConfig, FP16DPOTrainer, FP16GRPOConfig, FP16GRPOTrainer
+    from hf_lossscale.integrations.trl_trainers import (
+        FP16DPOConfig,
+        FP16DPOTrainer,
+        FP16GRPOConfig,
+        FP16GRPOTrainer,
+    )
 
     common = dict(output_dir=str(tmp_path / "out"), fp16=True, max_steps=3, per_device_train_batch_size=4,
                   logging_steps=1, report_to=[], save_strategy="no", disable_tqdm=True, loss_scale_init=1024.0)  # fmt: skip

@@ -8,7 +8,7 @@ import pytest
 from tiny_models import save_tiny_bert
 
 from hf_lossscale import underflow
-from hf_lossscale.cli import main
+from hf_lossscale.tools.cli import main
 
 
 def opts(model, objective="clm", points="1x16x1 2x16x4", **kw):

@@ -25,8 +25,8 @@ import sys
 import time
 from pathlib import Path
 
-from hf_lossscale.compare import SETTINGS
-from hf_lossscale.files import atomic_write_text
+from hf_lossscale.tools.compare import SETTINGS
+from hf_lossscale.tools.files import atomic_write_text
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
@@ -402,8 +402,9 @@ def main(argv: list[str] | None = None) -> int:
         tables = render_tables(RESULTS)
         if opts.write:
             write_readme(HERE / "README.md", tables)
-            write_readme(ROOT / "README.md", render_headline(RESULTS), *HEADLINE)
-            print(f"Updated {HERE / 'README.md'} and {ROOT / 'README.md'}")
+            for page in (ROOT / "README.md", ROOT / "docs" / "benchmarks.md"):
+                write_readme(page, render_headline(RESULTS), *HEADLINE)
+            print(f"Updated {HERE / 'README.md'}, {ROOT / 'README.md'} and {ROOT / 'docs' / 'benchmarks.md'}")
         else:
             print(tables)
         return 0
@@ -415,7 +416,7 @@ def main(argv: list[str] | None = None) -> int:
     print("Running: " + shown if not opts.print else shown, flush=True)
     if opts.print:
         return 0
-    from hf_lossscale.cli import main as cli_main
+    from hf_lossscale.tools.cli import main as cli_main
 
     start = time.perf_counter()
     status = cli_main(command)

@@ -11,7 +11,8 @@ import math
 from pathlib import Path
 
 from hf_lossscale import verdict
-from hf_lossscale.compare import SETTINGS, percent, percent_change, scale_text
+from hf_lossscale.tools.runs import SETTINGS
+from hf_lossscale.tools.summary import percent, percent_change, scale_text
 
 LABELS = {**SETTINGS, "static": f"{SETTINGS['static']} 2^24"}  # the benchmarks' static scale
 START, END = "<!-- results:start -->", "<!-- results:end -->"
@@ -36,7 +37,7 @@ def _values(result: dict, setting: str, metric: str) -> list[float]:
 
 def verdicts(result: dict) -> list[dict]:
     """Each FP16 setting's paired verdict against FP32 on the headline metric (the rule:
-    `hf_lossscale.verdict.RULES`), with the curve finding, the steps to FP32's final eval loss and
+    `hf_lossscale.tools.verdict.RULES`), with the curve finding, the steps to FP32's final eval loss and
     the perplexity ratio where the metric is a loss."""
     metric = headline(result)
     runs = [r for r in result["runs"] if r["status"] == "ok"]

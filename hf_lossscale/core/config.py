@@ -1,0 +1,602 @@
+"""`LossScaleConfig`: the one configuration object of hf_lossscale.
+
+This module imports neither torch nor transformers, so configs can be built, validated and
+serialised anywhere (a launcher, a CLI, a config check in CI).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import numbers
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "LossScaleConfig",
+    "MODES",
+    "FP16_ON_CPU",
+    "AT_MIN_SCALE",
+    "AUTO",
+    "ENV_PREFIX",
+    "ENV_CONFIG_FILE",
+    "resolve_config",
+]
+
+MODES = ("dynamic", "static", "off")
+FP16_ON_CPU = ("emulate", "native")
+#: What happens when skipped steps pile up at the floor (`at_min_scale`).
+AT_MIN_SCALE = ("raise", "warn", "clamp")
+#: The `fp32_modules` entry that lets a diagnosed forward overflow add its origin module.
+AUTO = "auto"
+
+#: The scales a config accepts: FP32's normal range, where a scale and its reciprocal are finite.
+SCALE_MIN = 2.0**-126
+SCALE_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max, spelled out: this module is torch-free
+INT32_MAX = 2**31 - 1
+INT64_MAX = 2**63 - 1
+
+#: Per-field environment variables are ``HF_LOSSSCALE_<FIELD NAME IN CAPITALS>``.
+ENV_PREFIX = "HF_LOSSSCALE_"
+#: Environment variable naming a YAML or JSON config file.
+ENV_CONFIG_FILE = "HF_LOSSSCALE_CONFIG"
+#: Variables in our namespace that are not scaler settings: where the tests and benchmarks find the
+#: benchmark data, and whether its absence fails them (CI) or skips them.
+ENV_NOT_CONFIG = ("HF_LOSSSCALE_DATA", "HF_LOSSSCALE_REQUIRE_DATA", "HF_LOSSSCALE_CHECK_LOCK")
+
+
+def _is_bool(value: Any) -> bool:
+    kind = type(value)
+    return isinstance(value, bool) or (kind.__module__ == "numpy" and kind.__name__ in ("bool", "bool_"))
+
+
+def _is_int(value: Any) -> bool:
+    """An integer: Python's or numpy's (`numbers.Integral`), not a bool."""
+    return isinstance(value, numbers.Integral) and not _is_bool(value)
+
+
+def _is_number(value: Any) -> bool:
+    """A real number: Python's or numpy's (`numbers.Real`), not a bool."""
+    return isinstance(value, numbers.Real) and not _is_bool(value)
+
+
+def _number_hint(value: Any) -> str:
+    """For a string that reads as a number: YAML 1.1 (PyYAML) reads `1e4` as a string."""
+    if isinstance(value, str):
+        try:
+            float(value)
+        except ValueError:
+            return ""
+        return (
+            f" It is the string {value!r}: YAML (PyYAML, YAML 1.1) reads exponents without a dot or sign "
+            "such as 1e4 as strings; write 1.0e+4 or 10000."
+        )
+    return ""
+
+
+def _normalise_numbers(config: Any) -> None:
+    """numpy scalars (and other `numbers` types) as plain Python ints and floats, before validation."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if _is_bool(value) and not isinstance(value, bool):
+            setattr(config, f.name, bool(value))
+        elif _is_int(value) and type(value) is not int:
+            setattr(config, f.name, int(value))
+        elif _is_number(value) and not isinstance(value, (int, float)):
+            setattr(config, f.name, float(value))
+
+
+@dataclass
+class LossScaleConfig:
+    """Configuration of a [`DynamicLossScaler`].
+
+    Args:
+        mode (`str`, *optional*, defaults to `"dynamic"`):
+            `"dynamic"` (back off on overflow, grow after a clean streak), `"static"` (the scale stays
+            at `init_scale`; non-finite steps are still skipped and counted) or `"off"` (scale 1, no
+            checks, every step applied: FP16 without loss scaling).
+        init_scale (`float`, *optional*, defaults to `2**16`): starting scale.
+        growth_factor (`float`, *optional*, defaults to `2.0`):
+            multiplies the scale after `growth_interval` clean steps in a row. Must be > 1.
+        backoff_factor (`float`, *optional*, defaults to `0.5`):
+            multiplies the scale on overflow (once the hysteresis budget is used up). In (0, 1).
+        growth_interval (`int`, *optional*, defaults to `2000`): clean steps in a row before growth.
+        min_scale (`float`, *optional*, defaults to `1.0`): floor; backoff never goes below it.
+        max_scale (`float`, *optional*, defaults to `2**24`): ceiling; growth never goes above it.
+        hysteresis (`int`, *optional*, defaults to `1`):
+            overflowing steps tolerated before a backoff (1 backs off on every overflow, as torch does,
+            and leaves the hysteresis tracker full: there is no budget to count down).
+        consecutive_hysteresis (`bool`, *optional*, defaults to `False`):
+            refill the hysteresis budget on every clean step (DeepSpeed's option) instead of only when
+            the scale grows (Megatron's rule).
+        max_consecutive_skips (`int` or `None`, *optional*, defaults to `100`):
+            raise `LossScaleCollapseError` after this many skipped steps in a row; `None` disables.
+        telemetry_interval (`int`, *optional*, defaults to 100):
+            every this many optimizer steps, histogram the scaled gradients' binary exponents on
+            the device (see `hf_lossscale.core.telemetry`; read only at log steps). 0 disables it.
+        fp16_on_cpu (`str`, *optional*, defaults to `"emulate"`):
+            how an FP16 run on a CPU computes: `"emulate"` (FP16 numerics at FP32 speed, see
+            `fp16_emulation`) or `"native"` (real `torch.autocast("cpu", float16)`, ~20x slower).
+            Never used on CUDA, where autocast is real.
+        backoff_on_nonfinite_loss (`bool`, *optional*, defaults to `False`):
+            a step whose *loss* is non-finite (an overflow in the forward pass, which no scale can fix)
+            is skipped and counted (`nonfinite_loss_steps`) but leaves the scale, the growth and the
+            hysteresis trackers as they were. `True` backs off as on any overflow (torch's rule).
+        fp32_modules (`tuple[str, ...]`, *optional*, defaults to `()`):
+            module-name patterns (a dotted name, a dotted suffix such as `"attention.self"`, or an
+            `fnmatch` pattern such as `"*.layer.3.*"`) whose forward runs outside autocast with floating
+            inputs upcast to FP32; merged with the model's own `_keep_in_fp32_modules`. A string is
+            split at commas. `"auto"` adds, from the next step on, each module diagnosed as the
+            origin of a forward overflow (kept in the checkpoint).
+        max_auto_fp32_modules (`int`, *optional*, defaults to `8`):
+            the most modules `"auto"` adds to FP32 in one run; the one refused beyond it is named.
+        at_min_scale (`str`, *optional*, defaults to `"raise"`):
+            after `max_consecutive_skips` skips in a row: `"raise"` (`LossScaleCollapseError`),
+            `"warn"` (warn once and keep skipping), or `"clamp"` (at the floor, stop skipping: the
+            non-finite gradient elements are clamped, NaN to 0 and +-inf to +-65504 / scale, and the
+            optimizer steps; costs one host read of the overflow flag per step).
+        floor_event_steps (`int`, *optional*, defaults to `100`):
+            an event (and a warning) when the scale has sat at `min_scale` for this many optimizer
+            steps in a row. 0 disables it.
+
+    Example:
+
+    ```python
+    >>> from hf_lossscale import LossScaleConfig
+    >>> config = LossScaleConfig(init_scale=2.0**12, min_scale=16.0, hysteresis=2)
+    >>> LossScaleConfig.from_dict(config.to_dict()) == config
+    True
+    ```
+    """
+
+    mode: str = field(default="dynamic", metadata={"help": f"One of {MODES}."})
+    init_scale: float = field(default=2.0**16, metadata={"help": "Starting loss scale."})
+    growth_factor: float = field(
+        default=2.0, metadata={"help": "Scale multiplier after `growth_interval` clean steps (> 1)."}
+    )
+    backoff_factor: float = field(default=0.5, metadata={"help": "Scale multiplier on overflow, in (0, 1)."})
+    growth_interval: int = field(
+        default=2000, metadata={"help": "Clean steps in a row before the scale grows (>= 1)."}
+    )
+    min_scale: float = field(default=1.0, metadata={"help": "Floor of the scale."})
+    max_scale: float = field(default=2.0**24, metadata={"help": "Ceiling of the scale."})
+    hysteresis: int = field(
+        default=1, metadata={"help": "Overflowing steps tolerated before a backoff (>= 1)."}
+    )
+    consecutive_hysteresis: bool = field(
+        default=False,
+        metadata={"help": "Refill the hysteresis budget on every clean step (DeepSpeed's rule)."},
+    )
+    max_consecutive_skips: int | None = field(
+        default=100,
+        metadata={"help": "Raise LossScaleCollapseError after this many skips in a row (None: never)."},
+    )
+    telemetry_interval: int = field(
+        default=100,
+        metadata={
+            "help": "Gradient exponent histograms (FP16 number line) every N optimizer steps (0: off)."
+        },
+    )
+
+    fp16_on_cpu: str = field(
+        default="emulate",
+        metadata={
+            "help": f"FP16 on a CPU: one of {FP16_ON_CPU} (emulated numerics at FP32 speed, or real autocast)."
+        },
+    )
+
+    backoff_on_nonfinite_loss: bool = field(
+        default=False,
+        metadata={"help": "Back the scale off on a step whose loss is non-finite too (torch's rule)."},
+    )
+    fp32_modules: tuple[str, ...] = field(
+        default=(),
+        metadata={
+            "help": "Module-name patterns run in FP32 (comma-separated; 'auto' adds each diagnosed "
+            "forward-overflow origin)."
+        },
+    )
+    max_auto_fp32_modules: int = field(
+        default=8, metadata={"help": "The most modules fp32_modules='auto' adds in one run (>= 1)."}
+    )
+    at_min_scale: str = field(
+        default="raise",
+        metadata={"help": f"After max_consecutive_skips skips in a row: one of {AT_MIN_SCALE}."},
+    )
+    floor_event_steps: int = field(
+        default=100,
+        metadata={"help": "Event when the scale sits at min_scale this many steps in a row (0: off)."},
+    )
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Check every field; raise `ValueError` naming the field, the value and the allowed range."""
+        _normalise_numbers(self)
+        if not isinstance(self.mode, str) or self.mode not in MODES:
+            raise ValueError(f"LossScaleConfig.mode={self.mode!r} is not one of {MODES}.")
+        for name in ("init_scale", "min_scale", "max_scale"):
+            value = getattr(self, name)
+            if not _is_number(value) or not math.isfinite(value) or value <= 0:
+                raise ValueError(
+                    f"LossScaleConfig.{name}={value!r} must be a finite number > 0.{_number_hint(value)}"
+                )
+            if not (SCALE_MIN <= value <= SCALE_MAX):
+                # below FP32's smallest normal number the reciprocal used to unscale overflows to inf
+                # (clean gradients would unscale to inf and be stepped); above FP32's largest the scale
+                # itself is inf and every step is skipped
+                raise ValueError(
+                    f"LossScaleConfig.{name}={value!r} is outside FP32's normal range "
+                    f"[2**-126, FP32 max] = [{SCALE_MIN!r}, {SCALE_MAX!r}], where the scale and its "
+                    "reciprocal are both finite FP32 numbers."
+                )
+            setattr(self, name, float(value))
+        gf = self.growth_factor
+        if not _is_number(gf) or not math.isfinite(gf) or gf <= 1:
+            raise ValueError(
+                f"LossScaleConfig.growth_factor={gf!r} must be a finite number > 1.{_number_hint(gf)}"
+            )
+        self.growth_factor = float(gf)
+        bf = self.backoff_factor
+        if not _is_number(bf) or not (0 < bf < 1):
+            raise ValueError(
+                f"LossScaleConfig.backoff_factor={bf!r} must be a number in the open interval (0, 1).{_number_hint(bf)}"
+            )
+        self.backoff_factor = float(bf)
+        for name in ("growth_interval", "hysteresis"):
+            value = getattr(self, name)
+            if not _is_int(value) or not (1 <= value <= INT32_MAX):
+                # the trackers are int32 device tensors: beyond 2**31 - 1 the comparison wraps
+                raise ValueError(
+                    f"LossScaleConfig.{name}={value!r} must be an integer in [1, 2**31 - 1] "
+                    "(its tracker is an int32 on the device)."
+                )
+        if not isinstance(self.consecutive_hysteresis, bool):
+            raise ValueError(
+                f"LossScaleConfig.consecutive_hysteresis={self.consecutive_hysteresis!r} "
+                "must be True or False."
+            )
+        mcs = self.max_consecutive_skips
+        if mcs is not None and (not _is_int(mcs) or not (1 <= mcs <= INT64_MAX)):
+            raise ValueError(
+                f"LossScaleConfig.max_consecutive_skips={mcs!r} must be an integer in [1, 2**63 - 1], "
+                "or None to disable the collapse check."
+            )
+        ti = self.telemetry_interval
+        if not _is_int(ti) or not (0 <= ti <= INT64_MAX):
+            raise ValueError(
+                f"LossScaleConfig.telemetry_interval={ti!r} must be an integer >= 0 (0 disables)."
+            )
+        if not isinstance(self.fp16_on_cpu, str) or self.fp16_on_cpu not in FP16_ON_CPU:
+            raise ValueError(f"LossScaleConfig.fp16_on_cpu={self.fp16_on_cpu!r} is not one of {FP16_ON_CPU}.")
+        if not isinstance(self.backoff_on_nonfinite_loss, bool):
+            raise ValueError(
+                f"LossScaleConfig.backoff_on_nonfinite_loss={self.backoff_on_nonfinite_loss!r} "
+                "must be True or False."
+            )
+        self.fp32_modules = _module_patterns(self.fp32_modules)
+        ma = self.max_auto_fp32_modules
+        if not _is_int(ma) or not (1 <= ma <= INT64_MAX):
+            raise ValueError(f"LossScaleConfig.max_auto_fp32_modules={ma!r} must be an integer >= 1.")
+        if not isinstance(self.at_min_scale, str) or self.at_min_scale not in AT_MIN_SCALE:
+            raise ValueError(
+                f"LossScaleConfig.at_min_scale={self.at_min_scale!r} is not one of {AT_MIN_SCALE}."
+            )
+        fe = self.floor_event_steps
+        if not _is_int(fe) or not (0 <= fe <= INT64_MAX):
+            raise ValueError(
+                f"LossScaleConfig.floor_event_steps={fe!r} must be an integer >= 0 (0 disables)."
+            )
+        if self.min_scale > self.max_scale:
+            raise ValueError(
+                f"LossScaleConfig.min_scale={self.min_scale!r} is above "
+                f"max_scale={self.max_scale!r}; need min_scale <= max_scale."
+            )
+        if not (self.min_scale <= self.init_scale <= self.max_scale):
+            raise ValueError(
+                f"LossScaleConfig.init_scale={self.init_scale!r} is outside "
+                f"[min_scale, max_scale] = [{self.min_scale!r}, {self.max_scale!r}]."
+            )
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        """All fields as plain Python values (JSON- and YAML-safe: `fp32_modules` as a list)."""
+        out = dataclasses.asdict(self)
+        out["fp32_modules"] = list(self.fp32_modules)
+        return out
+
+    @property
+    def auto_fp32(self) -> bool:
+        """Whether `fp32_modules` holds `"auto"`."""
+        return AUTO in self.fp32_modules
+
+    @property
+    def fp32_patterns(self) -> tuple[str, ...]:
+        """The `fp32_modules` patterns, without `"auto"`."""
+        return tuple(p for p in self.fp32_modules if p != AUTO)
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, data: Any, *, source: str = "config") -> LossScaleConfig:
+        """Build a config from a mapping; unknown keys are an error that names them."""
+        if not isinstance(data, dict):
+            raise ValueError(
+                f"{source}: a loss-scale config must be a mapping of field names to values, "
+                f"got {type(data).__name__}."
+            )
+        unknown = sorted(set(data) - set(cls.field_names()))
+        if unknown:
+            raise ValueError(
+                f"{source}: unknown LossScaleConfig field(s) {unknown}; allowed: {list(cls.field_names())}."
+            )
+        try:
+            return cls(**data)
+        except ValueError as err:
+            raise ValueError(f"{source}: {err}") from None
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> LossScaleConfig:
+        """Load a YAML (`.yaml`/`.yml`) or JSON (`.json`) file holding a mapping of fields.
+
+        YAML is read with `yaml.safe_load`. A file may also nest the fields under a top-level
+        `loss_scale:` key, so one file can carry other settings too.
+        """
+        data = read_config_file(path)
+        if isinstance(data, dict) and set(data) == {"loss_scale"}:
+            data = data["loss_scale"]
+        return cls.from_dict(data, source=str(path))
+
+    def to_file(self, path: str | os.PathLike) -> None:
+        """Write the config as JSON or YAML, chosen by the file's suffix."""
+        path = Path(path)
+        if path.suffix in (".yaml", ".yml"):
+            import yaml
+
+            path.write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+        else:
+            path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    def to_deepspeed_config(self) -> dict[str, Any]:
+        """The DeepSpeed `fp16` section that comes closest to this config (DeepSpeed owns its scaler).
+
+        Dynamic mode maps to `loss_scale: 0`, `initial_scale_power`, `loss_scale_window`
+        (growth_interval), `hysteresis`, `consecutive_hysteresis`, `min_loss_scale`; static mode to
+        `loss_scale: init_scale`; off to `enabled: false`. A `UserWarning` names each setting
+        DeepSpeed cannot express and the rule differences.
+
+        Example:
+
+        ```python
+        >>> LossScaleConfig(init_scale=2.0**12, hysteresis=2).to_deepspeed_config()["initial_scale_power"]  # doctest: +SKIP
+        12
+        ```
+        """
+        import warnings
+
+        if self.mode == "off":
+            return {"enabled": False}
+        if self.mode == "static":
+            return {"enabled": True, "loss_scale": self.init_scale}
+        power = math.log2(self.init_scale)
+        problems = []
+        if not power.is_integer():
+            problems.append(
+                f"init_scale={self.init_scale:g} is not a power of two (rounded to 2^{round(power)})"
+            )
+        if self.growth_factor != 2.0:
+            problems.append(f"growth_factor={self.growth_factor:g} (DeepSpeed always multiplies by 2)")
+        if self.backoff_factor != 0.5:
+            problems.append(f"backoff_factor={self.backoff_factor:g} (DeepSpeed always divides by 2)")
+        problems.append(f"max_scale={self.max_scale:g} (DeepSpeed has no ceiling)")
+        if self.max_consecutive_skips is not None:
+            problems.append(f"max_consecutive_skips={self.max_consecutive_skips} (no equivalent)")
+        problems.append(
+            "rule difference: DeepSpeed grows when (step - last overflow step) is a multiple of "
+            "loss_scale_window, counting its window since the last overflow"
+        )
+        warnings.warn(
+            "LossScaleConfig.to_deepspeed_config: not expressible in DeepSpeed: " + "; ".join(problems) + ".",
+            stacklevel=2,
+        )
+        return {
+            "enabled": True,
+            "loss_scale": 0,
+            "initial_scale_power": int(round(power)),
+            "loss_scale_window": self.growth_interval,
+            "hysteresis": self.hysteresis,
+            "consecutive_hysteresis": self.consecutive_hysteresis,
+            "min_loss_scale": self.min_scale,
+        }
+
+    def replace(self, **changes: Any) -> LossScaleConfig:
+        """A validated copy with some fields changed."""
+        unknown = sorted(set(changes) - set(self.field_names()))
+        if unknown:
+            raise ValueError(f"Unknown LossScaleConfig field(s) {unknown}.")
+        return dataclasses.replace(self, **changes)
+
+
+def _module_patterns(value: Any) -> tuple[str, ...]:
+    """`fp32_modules` as a tuple of non-empty names: a string is split at commas."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, (list, tuple)) or not all(isinstance(v, str) for v in items):
+        raise ValueError(
+            f"LossScaleConfig.fp32_modules={value!r} must be module-name patterns: a list of strings, "
+            "or one string of comma-separated names ('auto' for diagnosed forward-overflow origins)."
+        )
+    out = tuple(dict.fromkeys(v.strip() for v in items if v.strip()))
+    bad = [v for v in out if any(c.isspace() for c in v)]
+    if bad:
+        raise ValueError(f"LossScaleConfig.fp32_modules: {bad} hold spaces; module names have none.")
+    return out
+
+
+def read_config_file(path: str | os.PathLike, what: str = "loss-scale config") -> Any:
+    """Parse a YAML or JSON file; errors name the file."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as err:
+        raise ValueError(f"Cannot read {what} file {str(path)!r}: {err}") from None
+    except UnicodeDecodeError:
+        raise ValueError(
+            f"Cannot read {what} file {str(path)!r}: it is not UTF-8 text (a binary file?)."
+        ) from None
+    try:
+        if path.suffix == ".json":
+            return json.loads(text, object_pairs_hook=_no_duplicates)
+        return _yaml_load(text)
+    except _DuplicateKey as err:
+        raise ValueError(f"{what} file {str(path)!r}: key {err.args[0]!r} is given twice.") from None
+    except Exception as err:  # yaml.YAMLError / json.JSONDecodeError
+        raise ValueError(f"Cannot parse {what} file {str(path)!r}: {err}") from None
+
+
+class _DuplicateKey(Exception):
+    pass
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise _DuplicateKey(key)
+        out[key] = value
+    return out
+
+
+def _yaml_load(text: str) -> Any:
+    """`yaml.safe_load`, refusing a mapping that gives a key twice (PyYAML keeps the last silently)."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    def mapping(loader, node, deep=False):
+        loader.flatten_mapping(node)
+        pairs = [
+            (loader.construct_object(k, deep=deep), loader.construct_object(v, deep=deep))
+            for k, v in node.value
+        ]
+        return _no_duplicates(pairs)
+
+    Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
+    return yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader subclass
+
+
+# ---------------------------------------------------------------------- layered resolution
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off"}
+_NONE = {"none", "null", ""}
+
+
+def _parse_env_value(name: str, var: str, raw: str) -> Any:
+    """Parse one per-field environment variable by the field's declared type."""
+    kind = {f.name: str(f.type) for f in dataclasses.fields(LossScaleConfig)}[name]
+    text = raw.strip()
+    try:
+        if kind == "bool":
+            if text.lower() in _TRUE:
+                return True
+            if text.lower() in _FALSE:
+                return False
+            raise ValueError
+        if "None" in kind and text.lower() in _NONE:
+            return None
+        if kind.startswith("int"):
+            value = float(text)
+            if not value.is_integer():
+                raise ValueError
+            return int(value)
+        if kind == "float":
+            return float(text)
+        return text  # str, and fp32_modules' comma-separated names
+    except ValueError:
+        expected = {"bool": "true/false", "float": "a number"}.get(
+            kind, "an integer" if "int" in kind else kind
+        )
+        if "None" in kind:
+            expected += " or none"
+        raise ValueError(f"Environment variable {var}={raw!r}: expected {expected}.") from None
+
+
+def config_from_env(environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """The fields set by `HF_LOSSSCALE_CONFIG` (a file) and `HF_LOSSSCALE_<FIELD>` variables.
+
+    Per-field variables win over the file. Unknown `HF_LOSSSCALE_*` names are an error.
+    """
+    return {k: v for k, (v, _) in _env_layers(environ).items()}
+
+
+def _env_layers(environ: dict[str, str] | None) -> dict[str, tuple[Any, str]]:
+    """Field -> (value, where it was set), for the file and per-field environment layers."""
+    environ = os.environ if environ is None else environ
+    fields = LossScaleConfig.field_names()
+    values: dict[str, tuple[Any, str]] = {}
+    if environ.get(ENV_CONFIG_FILE):
+        path = environ[ENV_CONFIG_FILE]
+        data = read_config_file(path)
+        if isinstance(data, dict) and set(data) == {"loss_scale"}:
+            data = data["loss_scale"]
+        source = f"{ENV_CONFIG_FILE}={path}"
+        LossScaleConfig.from_dict(data, source=source)  # validates; errors name the keys
+        values.update({k: (v, source) for k, v in data.items()})
+    for var, raw in environ.items():
+        if not var.startswith(ENV_PREFIX) or var in (ENV_CONFIG_FILE, *ENV_NOT_CONFIG):
+            continue
+        name = var[len(ENV_PREFIX) :].lower()
+        if name not in fields:
+            allowed = [ENV_CONFIG_FILE] + [ENV_PREFIX + f.upper() for f in fields] + list(ENV_NOT_CONFIG)
+            raise ValueError(f"Unknown environment variable {var}; hf_lossscale reads {allowed}.")
+        values[name] = (_parse_env_value(name, var, raw), f"environment variable {var}")
+    return values
+
+
+def resolve_config(
+    config: LossScaleConfig | None = None,
+    overrides: dict[str, Any] | None = None,
+    environ: dict[str, str] | None = None,
+    *,
+    override_source: str | dict[str, str] = "argument",
+) -> LossScaleConfig:
+    """Build the effective config. Precedence, highest first:
+
+    1. `config`, an explicit `LossScaleConfig` in code (used as is);
+    2. `overrides`, fields the user set as arguments (e.g. the Trainer's `loss_scale_*`);
+    3. per-field environment variables `HF_LOSSSCALE_<FIELD>`;
+    4. the file named by `HF_LOSSSCALE_CONFIG`;
+    5. the defaults.
+
+    A bad value raises `ValueError` naming the field and where it was set (`override_source`: a
+    word for all overrides, or a mapping from field to the name the user set it by, e.g. a flag).
+    """
+    if config is not None:
+        if not isinstance(config, LossScaleConfig):
+            raise TypeError(f"config must be a LossScaleConfig, got {type(config).__name__}.")
+        return config
+    layers = _env_layers(environ)
+    for name, value in (overrides or {}).items():
+        if value is not None:
+            source = (
+                override_source.get(name, name)
+                if isinstance(override_source, dict)
+                else f"{override_source} {name}"
+            )
+            layers[name] = (value, source)
+    try:
+        return LossScaleConfig(**{k: v for k, (v, _) in layers.items()})
+    except ValueError as err:
+        text = str(err)
+        for name, (_, source) in layers.items():
+            if text.startswith(f"LossScaleConfig.{name}=") or f" {name}=" in text:
+                text += f" (set by {source})"
+                break
+        raise ValueError(text) from None

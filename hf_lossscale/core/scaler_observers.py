@@ -1,0 +1,380 @@
+"""What watches a `DynamicLossScaler` without deciding anything: the observer interface it calls at
+fixed points, and the two observers it ships with.
+
+- `SkipWatch` names the parameters whose gradients were non-finite at skipped steps
+  (`scaler.overflow_params`) and raises `LossScaleCollapseError` after `max_consecutive_skips`
+  skipped steps in a row. It reads the device values through non-blocking host copies.
+- `TelemetryWatch` feeds `GradientTelemetry` the scaled gradients every `telemetry_interval`
+  iterations.
+
+The scaler holds a list of observers; with none (as in `"off"` mode) it makes no calls. Imports only torch.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
+
+import torch
+
+from .hostcopy import HostCopy
+from .overflow import display_origin
+
+if TYPE_CHECKING:
+    from .scaler import DynamicLossScaler
+
+__all__ = [
+    "LossScaleCollapseError",
+    "ParameterNames",
+    "ScalerObserver",
+    "SkipWatch",
+    "TelemetryWatch",
+    "collapse_message",
+    "max_norms",
+    "nonfinite_flags",
+]
+
+_MAX_NAMES = 8  # parameter names kept for an overflow report
+_MAX_PENDING_NAMES = 4  # overflow-flag copies in flight to the host
+
+
+class LossScaleCollapseError(RuntimeError):
+    """Raised after `max_consecutive_skips` skipped steps in a row: the scale cannot recover.
+
+    `origin` and `kind` (`"forward"`/`"backward"`) name the latest diagnosed overflow, when one
+    was diagnosed (the Trainer's `OverflowDiagnosisCallback` does); `nonfinite_loss_steps` is how
+    many of the skips in a row had a non-finite loss (forward overflows)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        origin: str | None = None,
+        kind: str | None = None,
+        nonfinite_loss_steps: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.origin = origin
+        self.kind = kind
+        self.nonfinite_loss_steps = nonfinite_loss_steps
+
+
+class ParameterNames:
+    """Names of parameters for reports: those given by `add`, else their place in the optimizer."""
+
+    def __init__(self) -> None:
+        self._names: dict[int, str] = {}
+        # per optimizer: its parameters' places, rebuilt when its groups change (linear, not a scan per
+        # tensor: naming 60,000 tensors took 69 s that way)
+        self._places: dict[int, tuple[tuple[int, ...], dict[int, tuple[int, int]]]] = {}
+
+    def add(self, pairs: Iterable[tuple[str, torch.Tensor]]) -> None:
+        for name, param in pairs:
+            self._names[id(param)] = name
+
+    def _place(self, param: torch.Tensor, optimizer: torch.optim.Optimizer) -> tuple[int, int] | None:
+        shape = tuple(len(group["params"]) for group in optimizer.param_groups)
+        cached = self._places.get(id(optimizer))
+        if cached is None or cached[0] != shape:
+            index = {id(p): (g, i) for g, group in enumerate(optimizer.param_groups)
+                     for i, p in enumerate(group["params"])}  # fmt: skip
+            cached = self._places[id(optimizer)] = (shape, index)
+        place = cached[1].get(id(param))
+        if place is not None:
+            g, i = place
+            if optimizer.param_groups[g]["params"][i] is not param:  # replaced in place: rebuild once
+                self._places.pop(id(optimizer))
+                return self._place(param, optimizer)
+        return place
+
+    def name(self, param: torch.Tensor, optimizer: torch.optim.Optimizer) -> str:
+        name = self._names.get(id(param))
+        if name is not None:
+            return name
+        place = self._place(param, optimizer)
+        if place is not None:
+            return f"param_groups[{place[0]}].params[{place[1]}] (shape {tuple(param.shape)})"
+        return f"<parameter shape {tuple(param.shape)}>"
+
+    def grads(self, optimizer: torch.optim.Optimizer) -> Iterator[tuple[str, torch.Tensor]]:
+        """(name, gradient) for each dense gradient of the optimizer; a DTensor's local shard."""
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                if param.grad is not None and not param.grad.is_sparse:
+                    yield self.name(param, optimizer), local(param.grad)
+
+
+def max_norms(grads: list[torch.Tensor]) -> torch.Tensor:
+    """Each gradient's max-norm (inf/NaN exactly when it holds an inf/NaN; 0 for an empty one), in order,
+    as one float vector on the first one's device. One `_foreach_norm` per device and dtype and one
+    stack where all are dense, non-empty and alike (the usual case): two device ops. No host sync."""
+    from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+
+    first = grads[0].device
+    dense = [g.coalesce()._values() if g.is_sparse else g for g in grads]
+    keep = [i for i, g in enumerate(dense) if g.numel()]  # max-norm has no identity for an empty tensor
+    with torch.no_grad():
+        if not keep:
+            return torch.zeros(len(grads), device=first)
+        grouped = _group_tensors_by_device_and_dtype([[dense[i] for i in keep]], with_indices=True)
+        parts = []
+        for (device, _), ([tensors], indices) in grouped.items():
+            if device.type in ("cpu", "cuda"):
+                norms = torch.stack(torch._foreach_norm(tensors, float("inf")))
+            else:
+                norms = torch.stack([t.abs().amax() for t in tensors])
+            parts.append((norms, [keep[j] for j in indices]))
+        if len(parts) == 1 and len(keep) == len(grads) and parts[0][1] == keep:
+            return parts[0][0].to(first)
+        out = torch.zeros(len(grads), dtype=torch.float32, device=first)
+        for norms, places in parts:
+            out[torch.tensor(places, device=first)] = norms.to(device=first, dtype=torch.float32)
+        return out
+
+
+def nonfinite_flags(grads: list[torch.Tensor]) -> torch.Tensor:
+    """One bool per gradient, in order, on the first one's device: does it hold inf/NaN? From
+    `max_norms` (x * 0 is NaN exactly when x is inf/NaN); an empty gradient counts as finite. No host sync."""
+    return max_norms(grads).mul(0).ne(0)
+
+
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2), else the tensor itself."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+class ScalerObserver:
+    """The points at which a `DynamicLossScaler` tells its observers what happened. Each method
+    does nothing by default; none may synchronise with the device on every step."""
+
+    def before_unscale(self, scaler: DynamicLossScaler, optimizer: torch.optim.Optimizer) -> None:
+        """The optimizer's gradients are about to be checked (still scaled)."""
+
+    def on_norms(
+        self,
+        scaler: DynamicLossScaler,
+        optimizer: torch.optim.Optimizer,
+        params: list[torch.Tensor],
+        nonfinite: torch.Tensor,
+    ) -> None:
+        """`clip_grad_norm_` found, per parameter, whether its gradient is non-finite (device flags)."""
+
+    def before_step(
+        self, scaler: DynamicLossScaler, optimizer: torch.optim.Optimizer, skipped: bool | None
+    ) -> None:
+        """The optimizer is about to step or be skipped: `skipped` as the host knows it, or None when
+        a fused kernel decides on the device."""
+
+    def on_update(self, scaler: DynamicLossScaler, rule_applied: bool) -> None:
+        """`update()` ran; `rule_applied` is False for `update(new_scale)` and in `"off"` mode."""
+
+    def on_state_loaded(self, scaler: DynamicLossScaler) -> None:
+        """`load_state_dict()` replaced the state."""
+
+
+class TelemetryWatch(ScalerObserver):
+    """Feeds the scaler's `telemetry` (a `GradientTelemetry`) the scaled gradients on its iterations
+    and closes each iteration."""
+
+    def before_unscale(self, scaler, optimizer):
+        if scaler.telemetry.due(scaler.iteration):
+            scaler.telemetry.observe(scaler.parameter_names.grads(optimizer), scaler.iteration)
+
+    def on_update(self, scaler, rule_applied):
+        scaler.telemetry.end_iteration(scaler.iteration - 1)  # the iteration update() just closed
+
+
+class SkipWatch(ScalerObserver):
+    """Overflow names and the collapse check, from host copies that never make the step wait.
+
+    Names are taken on every step the host knows to be skipped (the non-fused path, which reads the
+    flag anyway), from `clip_grad_norm_`'s per-parameter flags, and, with fused optimizers (which
+    decide in their kernel), on the steps after the first of a run of skips. The consecutive-skip
+    counter is copied at each update and read at the first later update where the copy has landed
+    (on the CPU: at once), so on CUDA the collapse fires at the update that reaches the limit or up
+    to one update later.
+    """
+
+    def __init__(self, names: ParameterNames) -> None:
+        self.names = names
+        self.known_consecutive = 0  # the last value read from a host copy
+        self._copy: HostCopy | None = None
+        self._scale_copies: list[HostCopy] = []  # the scale after each update, for the floor event
+        self.steps_at_floor = 0
+        self.collapse_warned = False
+        #: Events for the run's event log (`floor`, `collapse_warning`), taken by `drain_events()`.
+        self.events: list[dict] = []
+        self._pending: list[tuple[HostCopy, torch.optim.Optimizer, list[torch.Tensor]]] = []
+        self._named_this_iteration: set[int] = set()
+        self.overflow_params: list[str] = []
+
+    # ---------------------------------------------------------------- naming
+    def on_norms(self, scaler, optimizer, params, nonfinite):
+        self._queue(optimizer, params, nonfinite)
+
+    def before_step(self, scaler, optimizer, skipped):
+        if skipped is True or (skipped is None and self.known_consecutive > 0):
+            self._queue(optimizer)
+
+    def _queue(
+        self,
+        optimizer: torch.optim.Optimizer,
+        params: list[torch.Tensor] | None = None,
+        nonfinite: torch.Tensor | None = None,
+    ) -> None:
+        """Send per-parameter non-finite flags to the host (computed here unless given: one read of
+        the gradients, only on steps known to be skipped), once per optimizer and iteration."""
+        if id(optimizer) in self._named_this_iteration:
+            return
+        self._named_this_iteration.add(id(optimizer))
+        if params is None:
+            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if not params:
+            return
+        if nonfinite is None:  # the norms go to the host as they are; finiteness is read there
+            nonfinite = max_norms([local(p.grad) for p in params])
+        self._pending.append((HostCopy(nonfinite), optimizer, params))
+        del self._pending[:-_MAX_PENDING_NAMES]
+
+    def resolve(self) -> list[str]:
+        """Take in the flags that have reached the host; return the latest names."""
+        while self._pending and self._pending[0][0].ready():
+            copy, optimizer, params = self._pending.pop(0)
+            flags = [
+                v if isinstance(v, bool) else not math.isfinite(v) for v in copy.value()
+            ]  # flags or norms
+            bad = [self.names.name(p, optimizer) for p, b in zip(params, flags, strict=True) if b]
+            if bad:
+                self.overflow_params = bad[:_MAX_NAMES]
+        return list(self.overflow_params)
+
+    # ---------------------------------------------------------------- collapse
+    def on_update(self, scaler, rule_applied):
+        self._named_this_iteration.clear()
+        if not rule_applied:
+            return
+        self.resolve()
+        if self._copy is not None and self._copy.ready():
+            self.known_consecutive = self._copy.value()
+            self._copy = None
+        if self._copy is None:
+            copy = HostCopy(scaler.state["consecutive_skips"])
+            if copy.ready():
+                self.known_consecutive = copy.value()
+            else:
+                self._copy = copy
+        self._watch_floor(scaler)
+        limit = scaler.config.max_consecutive_skips
+        if limit is not None and self.known_consecutive >= limit:
+            if scaler.config.at_min_scale == "raise":
+                self._raise_collapse(scaler)
+            if not self.collapse_warned:  # "warn" and "clamp": say it once, keep going
+                self.collapse_warned = True
+                message = collapse_message(scaler, self.known_consecutive, self.resolve())
+                self.events.append({"event": "collapse_warning", "message": message})
+                mode = scaler.config.at_min_scale
+                warnings.warn(f"{message} (at_min_scale={mode!r}: training goes on)", stacklevel=4)
+        elif self.known_consecutive == 0:
+            self.collapse_warned = False
+
+    def _watch_floor(self, scaler: DynamicLossScaler) -> None:
+        """Count updates in a row that left the scale at `min_scale`, from host copies of the scale
+        (on CUDA read an update or so late, never waited for); an event at `floor_event_steps`."""
+        c = scaler.config
+        if not c.floor_event_steps or c.mode != "dynamic":
+            return
+        self._scale_copies.append(HostCopy(scaler.state["scale"]))
+        while self._scale_copies and self._scale_copies[0].ready():
+            at_floor = self._scale_copies.pop(0).value() <= c.min_scale
+            self.steps_at_floor = self.steps_at_floor + 1 if at_floor else 0
+            if self.steps_at_floor == c.floor_event_steps:
+                message = (
+                    f"hf_lossscale: the loss scale has sat at its floor min_scale={c.min_scale:g} for "
+                    f"{c.floor_event_steps} optimizer steps in a row: gradients below "
+                    f"{2.0**-24 / c.min_scale:.1e} flush to zero in FP16. If steps keep being skipped, "
+                    "an overflow no scale can fix is likely (see the overflow events' `origin`; "
+                    "`fp32_modules`); otherwise consider a lower min_scale."
+                )
+                self.events.append(
+                    {"event": "floor", "steps_at_floor": self.steps_at_floor, "min_scale": c.min_scale}
+                )
+                warnings.warn(message, stacklevel=4)
+        del self._scale_copies[:-_MAX_PENDING_NAMES]
+
+    def drain_events(self) -> list[dict]:
+        """The events since the last call (for an event log)."""
+        out, self.events = self.events, []
+        return out
+
+    def on_state_loaded(self, scaler):
+        self.known_consecutive = scaler.state.host["consecutive_skips"]
+        self._copy = None  # a copy in flight belongs to the state replaced
+        self._scale_copies = []
+        self.steps_at_floor = 0
+        self._named_this_iteration.clear()
+
+    def _raise_collapse(self, scaler: DynamicLossScaler) -> None:
+        origin = scaler.overflow_origin or {}
+        raise LossScaleCollapseError(
+            collapse_message(scaler, self.known_consecutive, self.resolve()),
+            origin=origin.get("origin"),
+            kind=origin.get("kind"),
+            nonfinite_loss_steps=scaler.state["consecutive_nonfinite_loss"].item(),
+        )
+
+
+def collapse_message(scaler: DynamicLossScaler, consecutive: int, params: list[str]) -> str:
+    """The collapse error's text: the diagnosed origin first, then what the counters say, then the
+    parameters with non-finite gradients (detail). Reads the device (only when it fires)."""
+    c = scaler.config
+    nonfinite_loss = min(scaler.state["consecutive_nonfinite_loss"].item(), consecutive)
+    origin = scaler.overflow_origin or {}
+    name = origin.get("origin")
+    where = display_origin(name)
+    if origin.get("kind") == "forward" and name is not None:
+        remedy = (
+            f"Run it in FP32: fp32_modules=['{name}'] (--loss_scale_fp32_modules / HF_LOSSSCALE_FP32_MODULES), "
+            "or 'auto'. "
+            if name
+            else "Compute the loss (or the head) in FP32, or run the model's last modules in FP32. "
+        )
+        lead = (
+            f"Forward overflow in {where}: its output is non-finite in FP16 while its inputs are finite, so no "
+            f"loss scale can help. {remedy}"
+        )
+    elif origin.get("kind") == "backward" and name is not None:
+        lead = (
+            f"Backward overflow starting in {where}: its input gradient is non-finite while its output "
+            "gradient is finite. "
+        )
+    else:
+        lead = ""
+    names = ", ".join(params) or "not recorded"
+    kinds = (
+        f"{nonfinite_loss} of them with a non-finite loss (forward overflow: the scale was left alone), "
+        f"{consecutive - nonfinite_loss} with non-finite gradients only"
+    )
+    return (
+        f"{lead}Loss scale collapsed: {consecutive} optimizer steps in a row were skipped ({kinds}; "
+        f"limit max_consecutive_skips={c.max_consecutive_skips}). "
+        f"Scale now {scaler.state['scale'].item():g}, floor min_scale={c.min_scale:g}, "
+        f"mode={c.mode!r}. Parameters with non-finite gradients: {names}. "
+        + (
+            ""
+            if lead
+            else "The loss or activations are probably non-finite already in FP32 (check the data, the "
+            "learning rate), an FP16 overflow in the forward pass (the Trainer's overflow events name its "
+            "origin; `hf-lossscale preflight` finds it before training), or the scale is pinned too high "
+            "(static mode / min_scale)."
+        )
+    )
+
+
+def default_observers(scaler: DynamicLossScaler) -> list[ScalerObserver]:
+    """The observers a scaler starts with beside its built-in `SkipWatch`: `TelemetryWatch`; none in
+    `"off"` mode."""
+    if not scaler.is_enabled():
+        return []
+    return [TelemetryWatch()]

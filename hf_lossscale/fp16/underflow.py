@@ -1,0 +1,392 @@
+"""`hf-lossscale underflow`: the underflow map. Which gradients FP16 throws away, and how that
+grows with the tokens per optimizer step, measured without training.
+
+For each point `MICRO x BLOCK x ACCUM` (micro-batch of MICRO sequences of BLOCK tokens, ACCUM
+micro-batches per optimizer step; `/D` after it divides the loss by D more, which is the per-token
+gradient scale of a step with D times more tokens), one optimizer step's gradient is computed twice on the same
+batches: in FP32 (the reference, with this point's own loss divisor ACCUM: a reference made for one
+divisor is not the reference for another) and in emulated FP16 (`fp16_emulation(policy="cuda")`,
+each micro-batch its own backward, as accumulation does) at each scale: 1 (no loss scaling), the
+largest power of two at which the step does not overflow (where dynamic scaling settles: it grows
+until it overflows and backs off once), and a chosen static scale. Reported: the fraction of the
+non-zero FP32 gradient elements that come out zero (overall, per module, and the LM head / word
+embeddings apart from the rest) and the relative error `||g16 / scale - g32|| / ||g32||`.
+
+Writes `underflow.json`, `underflow.md` (the table) and `underflow.png` to `--output_dir`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .emulation import accumulated_gradients, compare_gradients, fp16_emulation
+
+__all__ = ["add_underflow_arguments", "parse_point", "underflow_map", "format_table", "run"]
+
+DEFAULT_POINTS = "1x128x1 4x32x1 4x128x1 2x128x8 8x128x2 8x128x8 8x128x16"
+#: Parameters of the LM head and the (tied) word embeddings: where the p/N gradients of the
+#: non-target tokens land.
+HEAD_PATTERN = re.compile(r"word_embeddings|lm_head|\.decoder\.|predictions\.bias|^cls\.|wte|embed_tokens")
+
+
+def add_underflow_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model_name_or_path", required=True, help="A local model folder or a Hub id.")
+    parser.add_argument("--objective", choices=["clm", "mlm", "cls"], default="clm",
+                        help="Causal LM, masked LM, or sequence classification (a fresh 2-label head).")  # fmt: skip
+    parser.add_argument("--train_file", default=None,
+                        help="Text (clm/mlm: one text per line; cls: a TSV/CSV with a header naming `sentence` "
+                        "and `label`, e.g. SST-2's train.tsv). Default: the Python documentation's topic pages "
+                        "(pydoc_data; for cls with alternating labels).")  # fmt: skip
+    parser.add_argument("--points", default=DEFAULT_POINTS,
+                        help="Space- or comma-separated MICROxBLOCKxACCUM points (sequences per micro-batch, "
+                        "tokens per sequence, micro-batches per optimizer step); MICROxBLOCKxACCUM/D also divides "
+                        "the loss by D: the per-token gradients of a step with D times more tokens.")  # fmt: skip
+    parser.add_argument("--static_scale", type=float, default=2.0**24, help="The static scale measured too.")
+    parser.add_argument("--max_scale", type=float, default=2.0**24,
+                        help="The largest scale the search for the settled scale tries (the scaler's max).")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output_dir", default="underflow_out")
+
+
+def parse_point(text: str) -> tuple[int, int, int]:
+    """`"8x128x16"` -> (8, 128, 16)."""
+    return parse_divided_point(text)[:3]
+
+
+def parse_divided_point(text: str) -> tuple[int, int, int, int]:
+    """`"8x128x4/32"` -> (8, 128, 4, 32); without `/D`, D is 1."""
+    text, _, divisor = text.partition("/")
+    try:
+        divisor = int(divisor or 1)
+    except ValueError:
+        raise ValueError(
+            f"--points entry {text}/{divisor}: D in MICROxBLOCKxACCUM/D must be an integer."
+        ) from None
+    if divisor < 1 or divisor & (divisor - 1):
+        raise ValueError(
+            f"--points entry {text}/{divisor}: D must be a power of two (it divides the loss exactly)."
+        )
+    parts = text.lower().split("x")
+    try:
+        micro, block, accum = (int(p) for p in parts)
+    except ValueError:
+        raise ValueError(f"--points entry {text!r}: expected MICROxBLOCKxACCUM, e.g. 8x128x16.") from None
+    if min(micro, block, accum) < 1:
+        raise ValueError(f"--points entry {text!r}: every factor must be at least 1.")
+    return micro, block, accum, divisor
+
+
+def _texts(opts: argparse.Namespace) -> tuple[list[str], list[int] | None]:
+    if opts.train_file is None:
+        from pydoc_data.topics import topics
+
+        texts = [topics[k] for k in sorted(topics)]
+        return texts, [i % 2 for i in range(len(texts))] if opts.objective == "cls" else None
+    path = Path(opts.train_file)
+    if not path.is_file():
+        raise SystemExit(f"--train_file {opts.train_file!r} does not exist.")
+    if opts.objective != "cls":
+        return [line for line in path.read_text().splitlines() if line.strip()], None
+    import csv
+
+    delimiter = "\t" if path.suffix == ".tsv" else ","
+    with open(path, newline="") as f:
+        rows = list(csv.DictReader(f, delimiter=delimiter, quoting=csv.QUOTE_NONE))
+    if not rows or not {"sentence", "label"} <= set(rows[0]):
+        raise SystemExit(f"--train_file {opts.train_file}: cls needs a header with `sentence` and `label`.")
+    return [r["sentence"] for r in rows], [int(r["label"]) for r in rows]
+
+
+def load_for_objective(model_name_or_path: str, objective: str, seed: int = 0):
+    """`(tokenizer, model)` for "clm", "mlm" or "cls" (a fresh 2-label head), in FP32 eval mode; an
+    encoder asked for "clm" becomes a decoder (`is_decoder`), as the recipes make it."""
+    from transformers import (
+        AutoConfig,
+        AutoModelForCausalLM,
+        AutoModelForMaskedLM,
+        AutoModelForSequenceClassification,
+        AutoTokenizer,
+    )
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    torch.manual_seed(seed)
+    tokenizer = AutoTokenizer.from_pretrained(model_name_or_path)
+    config = AutoConfig.from_pretrained(model_name_or_path)
+    if objective == "clm" and config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        config.is_decoder = True
+    if objective == "cls":
+        config.num_labels = 2
+    auto = {
+        "clm": AutoModelForCausalLM,
+        "mlm": AutoModelForMaskedLM,
+        "cls": AutoModelForSequenceClassification,
+    }
+    model = auto[objective].from_pretrained(model_name_or_path, config=config).float().eval()
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer, model
+
+
+class _Batches:
+    """Micro-batches for each point, drawn in order from one token stream (LM) or sentence list (cls)."""
+
+    def __init__(self, opts: argparse.Namespace, tokenizer) -> None:
+        self.objective, self.tokenizer = opts.objective, tokenizer
+        texts, self.labels = _texts(opts)
+        self.texts, self.ids, self.read = texts, [], 0
+        self.generator = torch.Generator().manual_seed(opts.seed)
+
+    def micro_batches(self, micro: int, block: int, accum: int) -> tuple[list[dict[str, torch.Tensor]], int]:
+        """ACCUM micro-batches and the number of input tokens they hold."""
+        if self.objective == "cls":
+            n = micro * accum
+            rows = [(self.texts[i % len(self.texts)], self.labels[i % len(self.labels)]) for i in range(n)]
+            batches, tokens = [], 0
+            for k in range(accum):
+                part = rows[k * micro : (k + 1) * micro]
+                enc = self.tokenizer([t for t, _ in part], truncation=True, max_length=block, padding=True,
+                                     return_tensors="pt")  # fmt: skip
+                enc["labels"] = torch.tensor([y for _, y in part])
+                tokens += int(enc["attention_mask"].sum())
+                batches.append(dict(enc))
+            return batches, tokens
+        need = micro * block * accum
+        while len(self.ids) < need and self.read < len(self.texts):  # tokenise only what is needed
+            self.ids.extend(
+                self.tokenizer(self.texts[self.read], add_special_tokens=False, verbose=False)["input_ids"]
+            )
+            self.read += 1
+        if len(self.ids) < need:
+            raise SystemExit(
+                f"Not enough text for {need:,} tokens ({len(self.ids):,} tokenised): pass a longer --train_file."
+            )
+        ids = torch.tensor(self.ids[:need]).view(accum, micro, block)
+        batches = []
+        for part in ids:
+            if self.objective == "clm":
+                batches.append({"input_ids": part, "labels": part.clone()})
+            else:
+                batches.append(self._mask(part))
+        return batches, need
+
+    def _mask(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """BERT's masking (15%: 80% [MASK], 10% random, 10% kept), from this map's own generator."""
+        labels = ids.clone()
+        chosen = torch.rand(ids.shape, generator=self.generator) < 0.15
+        labels[~chosen] = -100
+        inputs = ids.clone()
+        roll = torch.rand(ids.shape, generator=self.generator)
+        inputs[chosen & (roll < 0.8)] = self.tokenizer.mask_token_id
+        random = chosen & (roll >= 0.8) & (roll < 0.9)
+        inputs[random] = torch.randint(len(self.tokenizer), ids.shape, generator=self.generator)[random]
+        return {"input_ids": inputs, "labels": labels}
+
+
+def _loss(model, batch):
+    return model(**batch).loss
+
+
+def _groups(found: dict[str, Any]) -> dict[str, float]:
+    """Flushed fraction of the LM head / word embeddings and of everything else."""
+    sums = {"head": [0, 0], "rest": [0, 0]}
+    for module, (lost, nonzero) in found["counts"].items():
+        key = "head" if HEAD_PATTERN.search(module + ".") else "rest"
+        sums[key][0] += lost
+        sums[key][1] += nonzero
+    return {k: (v[0] / v[1] if v[1] else None) for k, v in sums.items()}
+
+
+def _measure(model, batches, divisor, reference, scale) -> dict[str, Any]:
+    """`divisor` is the whole loss divisor (accumulation x D)."""
+    low = accumulated_gradients(
+        model, None, _loss, fp16_emulation("cuda"), scale / divisor, micro_batches=batches
+    )
+    found = compare_gradients(reference, low, scale)
+    groups = _groups(found)
+    return {
+        "scale": scale,
+        "flushed_fraction": found["flushed_fraction"],
+        "flushed_head": groups["head"],
+        "flushed_rest": groups["rest"],
+        "relative_grad_error": found["relative_grad_error"],
+        "overflow": found["overflow"],
+        "per_module": found["per_module"],
+    }
+
+
+def _settled(model, batches, divisor, reference, max_scale, tried: dict[float, dict]) -> float:
+    """The largest power of two <= max_scale at which the step does not overflow (searched by
+    halving from the largest scale the scale-1 gradients allow, reusing measured scales)."""
+    # Start where the average micro-batch's largest gradient reaches FP16's maximum (the summed
+    # FP32 gradient may exceed 65504 without overflow: each micro-batch is FP16 on its own).
+    amax = max(float(g.abs().max()) for g in reference.values()) / len(batches)
+    k = min(math.floor(math.log2(max_scale)), math.floor(math.log2(65504.0 / max(amax, 1e-30))))
+    while k > 0:
+        scale = 2.0**k
+        if scale not in tried:
+            tried[scale] = _measure(model, batches, divisor, reference, scale)
+        if not tried[scale]["overflow"]:
+            return scale
+        k -= 1
+    return 1.0
+
+
+def underflow_map(opts: argparse.Namespace) -> dict[str, Any]:
+    """Measure every point of `opts.points` (see the module docstring)."""
+    points = [parse_divided_point(p) for p in re.split(r"[,\s]+", opts.points.strip()) if p]
+    if not points:
+        raise SystemExit("--points is empty.")
+    tokenizer, model = load_for_objective(opts.model_name_or_path, opts.objective, opts.seed)
+    data = _Batches(opts, tokenizer)
+    rows = []
+    for micro, block, accum, divisor in points:
+        batches, tokens = data.micro_batches(micro, block, accum)
+        total = accum * divisor
+        reference = accumulated_gradients(
+            model, None, _loss, contextlib.nullcontext(), 1.0 / total, micro_batches=batches
+        )
+        tried = {1.0: _measure(model, batches, total, reference, 1.0)}
+        settled = _settled(model, batches, total, reference, opts.max_scale, tried)
+        if opts.static_scale not in tried:
+            tried[opts.static_scale] = _measure(model, batches, total, reference, opts.static_scale)
+        rows.append({
+            "point": f"{micro}x{block}x{accum}" + (f"/{divisor}" if divisor > 1 else ""),
+            "micro_batch": micro, "block_size": block, "accumulation": accum, "loss_divisor": divisor,
+            "tokens": tokens, "tokens_per_step": tokens * divisor, "settled_scale": settled,
+            "at_1": tried[1.0], "at_settled": tried[settled], "at_static": tried[opts.static_scale],
+        })  # fmt: skip
+        print(_row_text(rows[-1]), flush=True)
+    model.zero_grad(set_to_none=True)
+    return {
+        "model": opts.model_name_or_path,
+        "objective": opts.objective,
+        "data": opts.train_file or "pydoc_data.topics (the Python documentation's topic pages)",
+        "static_scale": opts.static_scale,
+        "policy": "cuda",
+        "rows": rows,
+    }
+
+
+def _pct(x: float | None) -> str:
+    from ..tools.summary import percent
+
+    return "—" if x is None else percent(x)
+
+
+def _tokens(row: dict[str, Any]) -> str:
+    """Tokens per step; for a `/D` point, the step it stands for (D x the tokens it holds)."""
+    divisor = row.get("loss_divisor", 1)
+    held = f"{row['tokens']:,}"
+    return held if divisor == 1 else f"{row['tokens'] * divisor:,} ({held} x {divisor})"
+
+
+def _cell(m: dict[str, Any]) -> str:
+    if m["overflow"]:
+        return "overflow"
+    return (
+        f"{_pct(m['flushed_fraction'])} (head {_pct(m['flushed_head'])}), err {m['relative_grad_error']:.2g}"
+    )
+
+
+def _row_text(row: dict[str, Any]) -> str:
+    from ..tools.summary import scale_text
+
+    return (
+        f"{row['point']:>10} {_tokens(row):>7} tokens | scale 1: {_cell(row['at_1'])} | settled "
+        f"{scale_text(row['settled_scale'])}: {_cell(row['at_settled'])} | static "
+        f"{scale_text(row['at_static']['scale'])}: {_cell(row['at_static'])}"
+    )
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The map as a Markdown table."""
+    from ..tools.summary import scale_text
+
+    static = scale_text(result["static_scale"])
+    model = Path(result["model"])
+    model_name = model.parent.name if model.name == "model" else model.name  # pip packages' model/ folder
+    data = "/".join(Path(result["data"]).parts[-2:]) if "/" in result["data"] else result["data"]
+    lines = [
+        f"Underflow map: `{model_name}`, {result['objective']}, data `{data}`; "
+        "emulated FP16 (policy cuda). Flushed = non-zero FP32 gradient elements that are zero in FP16 "
+        "(head = LM head / word embeddings, rest = every other parameter); err = ||g16/scale - g32|| / ||g32||.",
+        "",
+        "| micro x block x accum | tokens / step | flushed @1 | head @1 | rest @1 | err @1 | settled scale "
+        f"| flushed @settled | err @settled | @{static} |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        one, settled, st = r["at_1"], r["at_settled"], r["at_static"]
+        lines.append(
+            f"| {r['point']} | {_tokens(r)} | {_pct(one['flushed_fraction'])} | {_pct(one['flushed_head'])} | "
+            f"{_pct(one['flushed_rest'])} | {one['relative_grad_error']:.2g} | {scale_text(r['settled_scale'])} | "
+            f"{_pct(settled['flushed_fraction'])} | {settled['relative_grad_error']:.2g} | "
+            f"{'overflow' if st['overflow'] else _pct(st['flushed_fraction'])} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def write_plot(results: list[dict[str, Any]], path: Path) -> None:
+    """Flushed fraction and relative error against tokens per step, one colour per objective."""
+    from .._extras import need
+
+    matplotlib = need("matplotlib", "The underflow map's plot", "tools")
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    colors = ["tab:orange", "tab:blue", "tab:green", "tab:red", "tab:purple"]
+    for color, result in zip(colors, results):
+        rows = sorted(result["rows"], key=lambda r: r["tokens"] * r.get("loss_divisor", 1))
+        x = [r["tokens"] * r.get("loss_divisor", 1) for r in rows]
+        name = result.get("label", result["objective"])
+        left.plot(
+            x,
+            [100 * r["at_1"]["flushed_fraction"] for r in rows],
+            "o-",
+            color=color,
+            label=f"{name}: all, scale 1",
+        )
+        left.plot(x, [100 * (r["at_1"]["flushed_head"] or 0) for r in rows], "s--", color=color, alpha=0.6,
+                  label=f"{name}: LM head / embeddings, scale 1")  # fmt: skip
+        left.plot(x, [100 * r["at_settled"]["flushed_fraction"] for r in rows], "^:", color=color,
+                  label=f"{name}: all, settled scale")  # fmt: skip
+        right.plot(
+            x, [r["at_1"]["relative_grad_error"] for r in rows], "o-", color=color, label=f"{name}: scale 1"
+        )
+        right.plot(x, [r["at_settled"]["relative_grad_error"] for r in rows], "^:", color=color,
+                   label=f"{name}: settled scale")  # fmt: skip
+    for ax in (left, right):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("tokens per optimizer step")
+        ax.legend(fontsize=7)
+    left.set_ylabel("gradient elements flushed to zero (%)")
+    left.set_title("What FP16 throws away")
+    right.set_yscale("log")
+    right.set_ylabel("relative gradient error")
+    right.set_title("||g16/scale - g32|| / ||g32||")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(opts: argparse.Namespace) -> dict[str, Any]:
+    out = Path(opts.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    result = underflow_map(opts)
+    table = format_table(result)
+    (out / "underflow.json").write_text(json.dumps(result, indent=1))
+    (out / "underflow.md").write_text(table)
+    write_plot([result], out / "underflow.png")
+    print(table)
+    print(f"Wrote {out / 'underflow.json'}, {out / 'underflow.md'}, {out / 'underflow.png'}")
+    return result

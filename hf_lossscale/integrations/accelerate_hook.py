@@ -1,0 +1,372 @@
+"""Everything that touches Accelerate: `install_loss_scaler` puts a `DynamicLossScaler` in charge.
+
+Nothing here patches Accelerate globally: the hook changes one `Accelerator` instance (its
+`scaler`, `native_amp`, the forward of its prepared models, its prepared optimizers, and its own
+`prepare_model`/`prepare_optimizer`/`autocast` attributes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import logging
+import warnings
+from collections.abc import Callable
+from types import MethodType
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer, patch_optimizer_step
+from accelerate.utils import DistributedType, convert_outputs_to_fp32
+
+from ..core.config import LossScaleConfig, resolve_config
+from ..core.scaler import DynamicLossScaler
+from ..fp16.emulation import fp16_emulation
+from ..fp16.fp32_modules import run_in_fp32
+from .compat import warn_if_untested
+
+__all__ = [
+    "install_loss_scaler",
+    "LossScaledOptimizer",
+    "effective_mixed_precision",
+    "plain_forward",
+    "needs_found_inf_sync",
+]
+
+logger = logging.getLogger(__name__)
+
+_OWN_SCALER = (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM)
+
+
+class LossScaledOptimizer(AcceleratedOptimizer):
+    """`AcceleratedOptimizer` whose `step_was_skipped` comes from the scaler's device-side flag.
+
+    Accelerate decides "skipped" by whether `optimizer.step` was called, which is wrong for fused
+    optimizers: they are always called and skip inside the kernel (accelerate issue 4242).
+    With a fused optimizer, reading `step_was_skipped` costs one host read of a 0-d device tensor,
+    once per step however many callers ask; otherwise `scaler.step()` already read the flag and
+    reading it costs nothing.
+    """
+
+    def step(self, closure=None):
+        super().step(closure)
+        scaler = self.scaler
+        if self.gradient_state.sync_gradients and isinstance(scaler, DynamicLossScaler):
+            flag = scaler.step_skipped_tensor
+            self._skip_flag = flag if scaler.is_enabled() else None  # a snapshot: update() replaces it
+            self._skip_value = scaler.last_step_skipped_if_known  # None: only the device knows
+
+    @property
+    def step_was_skipped(self) -> bool:
+        flag = getattr(self, "_skip_flag", None)
+        if flag is None:
+            return self._is_overflow
+        if getattr(self, "_skip_value", None) is None:
+            self._skip_value = bool(flag.item())
+        return self._skip_value
+
+
+def effective_mixed_precision(accelerator: Accelerator) -> str:
+    """`"fp16"`, `"bf16"`, `"fp8"` or `"no"`, as the accelerator's state resolved it."""
+    return str(accelerator.state.mixed_precision)
+
+
+def install_loss_scaler(
+    accelerator: Accelerator,
+    config: LossScaleConfig | None = None,
+    *,
+    overrides: dict[str, Any] | None = None,
+) -> DynamicLossScaler | None:
+    """Replace `accelerator.scaler` with a `DynamicLossScaler`, before or after `prepare()`.
+
+    The config comes from `config` if given, else from `overrides` (fields set as arguments), the
+    `HF_LOSSSCALE_<FIELD>` environment variables and the file named by `HF_LOSSSCALE_CONFIG`, in
+    that order, over the defaults: a script calling `install_loss_scaler(accelerator)` can be
+    reconfigured under `accelerate launch` without code changes.
+
+    On a CPU with `mixed_precision="fp16"` (where Accelerate silently trains in FP32) it turns on
+    FP16 numerics for the prepared models' forward (evaluation included) and for
+    `accelerator.backward`: by default emulated (`fp16_emulation(policy="cuda")`: FP16 rounding,
+    underflow and overflow at FP32 speed), or with `fp16_on_cpu="native"` real
+    `torch.autocast("cpu", dtype=torch.float16)`, about 20x slower than FP32 (for correctness work
+    and demos). Which one ran is logged and kept in `accelerator.hf_lossscale_fp16` (`"emulated"`,
+    `"native-cpu"` or `"cuda"`).
+
+    `accelerator.clip_grad_norm_` then unscales, checks and clips in one read of the gradients
+    (`DynamicLossScaler.clip_grad_norm_`) when its parameters are exactly one prepared optimizer's;
+    it returns the unscaled norm as before.
+
+    Returns the scaler, or `None` (with a warning) when the run is not FP16: bf16/FP32 need no
+    loss scaling.
+
+    Raises:
+        RuntimeError: under DeepSpeed or Megatron-LM, whose engines own their scaler.
+
+    Example:
+
+    ```python
+    >>> from accelerate import Accelerator
+    >>> from hf_lossscale import install_loss_scaler, LossScaleConfig
+    >>> accelerator = Accelerator(mixed_precision="fp16")
+    >>> scaler = install_loss_scaler(accelerator, LossScaleConfig(min_scale=16.0, hysteresis=2))
+    >>> model, optimizer = accelerator.prepare(model, optimizer)  # doctest: +SKIP
+    ```
+    """
+    if accelerator.distributed_type in _OWN_SCALER:
+        raise RuntimeError(
+            f"install_loss_scaler: this run uses {accelerator.distributed_type.value}, whose engine owns "
+            "its loss scaler. Configure loss scaling in the engine's own config instead (for DeepSpeed, "
+            "its `fp16` section: loss_scale 0, initial_scale_power, loss_scale_window, hysteresis, "
+            "min_loss_scale)."
+        )
+    precision = effective_mixed_precision(accelerator)
+    if precision != "fp16":
+        warnings.warn(
+            f"install_loss_scaler: mixed_precision={precision!r}, not 'fp16'; loss scaling is not "
+            "needed and no scaler was installed.",
+            stacklevel=2,
+        )
+        return None
+    config = resolve_config(config, overrides)
+    _warn_if_grad_scaler_kwargs_ignored(accelerator, config)
+    warn_if_untested()
+
+    scaler = DynamicLossScaler(config, device=accelerator.device)
+    if needs_found_inf_sync(accelerator):
+        scaler.sync_found_inf_across()  # FSDP1: gradients are local flat shards
+    accelerator.scaler = scaler
+    accelerator.hf_lossscale_fp16 = accelerator.device.type
+    if accelerator.device.type == "cpu":
+        _enable_cpu_fp16(accelerator, config.fp16_on_cpu)
+    for i, opt in enumerate(accelerator._optimizers):
+        accelerator._optimizers[i] = _attach_to_optimizer(opt, scaler)
+    for model in accelerator._models:
+        scaler.set_parameter_names(accelerator.unwrap_model(model, keep_fp32_wrapper=True))
+        _apply_fp32_modules(accelerator.unwrap_model(model), scaler)
+    _hook_prepare(accelerator)
+    _route_clip(accelerator)
+    logger.info("hf_lossscale: installed %r", scaler)
+    return scaler
+
+
+def _apply_fp32_modules(model: torch.nn.Module, scaler: DynamicLossScaler) -> None:
+    """Run the configured `fp32_modules` patterns, the model's own `_keep_in_fp32_modules` and the
+    modules a loaded state's `"auto"` moved, in FP32. A configured pattern matching nothing is an error."""
+    wrapped = run_in_fp32(model, scaler.config.fp32_patterns)
+    if scaler.state.fp32_modules:
+        wrapped += run_in_fp32(model, scaler.state.fp32_modules, include_model_own=False)
+    if wrapped:
+        logger.warning("hf_lossscale: these modules run in FP32 inside the FP16 run: %s", wrapped)
+
+
+def needs_found_inf_sync(accelerator: Any) -> bool:
+    """Whether the scaler must all-reduce its found-inf flag itself: only under FSDP1, whose
+    gradients are local shards. DDP all-reduces gradients before the check, and FSDP2's DTensor
+    gradients have torch reduce the flag; adding a collective there would only cost time."""
+    if accelerator.distributed_type != DistributedType.FSDP:
+        return False
+    plugin = getattr(accelerator.state, "fsdp_plugin", None)
+    return int(getattr(plugin, "fsdp_version", 1) or 1) == 1
+
+
+def _warn_if_grad_scaler_kwargs_ignored(accelerator: Accelerator, config: LossScaleConfig) -> None:
+    handler = getattr(accelerator, "scaler_handler", None)
+    if handler is None:
+        return
+    given = handler.to_kwargs()  # only the fields that differ from GradScalerKwargs' defaults
+    differing = {k: v for k, v in given.items() if getattr(config, k, v) != v}
+    if differing:
+        warnings.warn(
+            f"install_loss_scaler: GradScalerKwargs {differing} are replaced by the loss-scale config "
+            f"({ {k: getattr(config, k, None) for k in differing} }); set them through "
+            "LossScaleConfig / HF_LOSSSCALE_* instead.",
+            stacklevel=3,
+        )
+
+
+# ---------------------------------------------------------------------- optimizers
+def _attach_to_optimizer(opt: Any, scaler: DynamicLossScaler) -> Any:
+    """Point a prepared optimizer at the scaler, with the step machinery Accelerate gives it."""
+    if not isinstance(opt, AcceleratedOptimizer):
+        return opt
+    if getattr(opt, "scaler", None) is None:
+        # Wrapped while the scaler was None: it lacks the patched-step machinery.
+        opt._accelerate_step_called = False
+        opt._optimizer_original_step_method = opt.optimizer.step
+        opt._optimizer_patched_step_method = patch_optimizer_step(opt, opt.optimizer.step)
+    opt.scaler = scaler
+    if type(opt) is AcceleratedOptimizer:
+        opt.__class__ = LossScaledOptimizer
+    return opt
+
+
+# ---------------------------------------------------------------------- CPU FP16
+def _cpu_context_factory(fp16_on_cpu: str) -> Callable[[], contextlib.AbstractContextManager]:
+    """The FP16 compute context of a CPU run: the one branch between emulation and real autocast."""
+    if fp16_on_cpu == "emulate":
+        return functools.partial(fp16_emulation, "cuda")
+    return functools.partial(torch.autocast, "cpu", dtype=torch.float16)
+
+
+def _enable_cpu_fp16(accelerator: Accelerator, fp16_on_cpu: str) -> None:
+    """Turn on FP16 compute on the CPU, where Accelerate leaves `native_amp` off."""
+    context = _cpu_context_factory(fp16_on_cpu)
+    accelerator.hf_lossscale_fp16 = "emulated" if fp16_on_cpu == "emulate" else "native-cpu"
+    accelerator._hf_lossscale_context = context
+    # `native_amp` gates Accelerate's unscaling before clipping (`unscale_gradients`).
+    accelerator.native_amp = True
+    for model in accelerator._models:
+        _wrap_forward(accelerator.unwrap_model(model, keep_fp32_wrapper=True), context)
+    accelerator.autocast = MethodType(lambda self, autocast_handler=None: context(), accelerator)
+    if fp16_on_cpu == "emulate":
+        # Gradient checkpointing recomputes the forward during backward: emulate there too.
+        backward = type(accelerator).backward.__get__(accelerator)
+
+        @functools.wraps(backward)
+        def emulated_backward(loss, **kwargs):
+            with context():
+                return backward(loss, **kwargs)
+
+        accelerator.backward = emulated_backward
+    logger.warning(
+        "hf_lossscale: FP16 on the CPU is %s (%s); figures from this run are not GPU measurements.",
+        "EMULATED" if fp16_on_cpu == "emulate" else "native CPU autocast",
+        "fp16_emulation(policy='cuda')"
+        if fp16_on_cpu == "emulate"
+        else "torch.autocast('cpu', float16), ~20x slower",
+    )
+
+
+def _wrap_forward(model: torch.nn.Module, context: Callable[[], contextlib.AbstractContextManager]) -> None:
+    """Run `model.forward` under `context()` and return FP32 outputs, as Accelerate's prepare does."""
+    if getattr(model, "_hf_lossscale_forward", False):
+        return
+    original = model.forward
+    func = original.__func__ if hasattr(original, "__func__") else original
+
+    @functools.wraps(func)
+    def forward(*args, **kwargs):
+        with context():
+            return func(*args, **kwargs)
+
+    model._original_forward = original
+    converted = convert_outputs_to_fp32(forward)
+    model.forward = MethodType(converted, model) if hasattr(original, "__func__") else converted
+    model._hf_lossscale_forward = True
+
+
+@contextlib.contextmanager
+def plain_forward(model: torch.nn.Module):
+    """Temporarily give a prepared model its own forward, without the FP16 wrapper that Accelerate
+    (autocast) or `install_loss_scaler` (CPU FP16) put around it: for FP32 reference passes."""
+    original = model.__dict__.get("_original_forward")
+    wrapped = model.__dict__.get("forward")
+    if original is None or wrapped is None:
+        yield model
+        return
+    model.forward = original
+    try:
+        yield model
+    finally:
+        model.forward = wrapped
+
+
+def _hook_prepare(accelerator: Accelerator) -> None:
+    """Make models and optimizers prepared later pick up the CPU FP16 context and the scaler."""
+    if getattr(accelerator, "_hf_lossscale_hooked", False):
+        return
+    accelerator._hf_lossscale_hooked = True
+    prepare_model = accelerator.prepare_model
+    prepare_optimizer = accelerator.prepare_optimizer
+
+    @functools.wraps(prepare_model)
+    def hooked_prepare_model(model, *args, **kwargs):
+        on_cpu = accelerator.device.type == "cpu" and isinstance(accelerator.scaler, DynamicLossScaler)
+        saved = accelerator.native_amp
+        if on_cpu:
+            accelerator.native_amp = False  # we wrap the forward ourselves, with the CPU context
+        try:
+            prepared = prepare_model(model, *args, **kwargs)
+        finally:
+            accelerator.native_amp = saved
+        inner = accelerator.unwrap_model(prepared, keep_fp32_wrapper=True)
+        if on_cpu:
+            _wrap_forward(inner, accelerator._hf_lossscale_context)
+        if isinstance(accelerator.scaler, DynamicLossScaler):
+            accelerator.scaler.set_parameter_names(inner)
+            _apply_fp32_modules(inner, accelerator.scaler)
+        return prepared
+
+    @functools.wraps(prepare_optimizer)
+    def hooked_prepare_optimizer(optimizer, *args, **kwargs):
+        prepared = prepare_optimizer(optimizer, *args, **kwargs)
+        if isinstance(accelerator.scaler, DynamicLossScaler):
+            _attach_to_optimizer(prepared, accelerator.scaler)
+        return prepared
+
+    accelerator.prepare_model = hooked_prepare_model
+    accelerator.prepare_optimizer = hooked_prepare_optimizer
+
+
+# ---------------------------------------------------------------------- clipping
+_CLIP_ROUTED = (
+    DistributedType.NO,
+    DistributedType.MULTI_GPU,
+    DistributedType.MULTI_CPU,
+    DistributedType.FSDP,
+)
+
+
+def _route_clip(accelerator: Accelerator) -> None:
+    """Send `accelerator.clip_grad_norm_` through `DynamicLossScaler.clip_grad_norm_` (unscale,
+    overflow check and clip in one read of the gradients) where that gives Accelerate's result:
+    the parameters with gradients are exactly those of one prepared optimizer, the run is FP16
+    with our scaler, and it is not FSDP1 (whose wrapped module clips its own shards), DeepSpeed or
+    XLA. Anything else goes to Accelerate's own method, unchanged."""
+    if getattr(accelerator, "_hf_lossscale_clip_routed", False):
+        return
+    accelerator._hf_lossscale_clip_routed = True
+    original = accelerator.clip_grad_norm_
+
+    @functools.wraps(original)
+    def clip_grad_norm_(parameters, max_norm, norm_type=2):
+        parameters = list(parameters)
+        target = _single_optimizer_of(accelerator, parameters)
+        if target is None:
+            return original(parameters, max_norm, norm_type=norm_type)
+        scaler = accelerator.scaler
+        for opt in accelerator._optimizers:  # Accelerate unscales every optimizer here
+            inner = _innermost(opt)
+            if inner is not target:
+                scaler.unscale_(inner)
+        return scaler.clip_grad_norm_(target, max_norm, norm_type, parameters=parameters)
+
+    accelerator.clip_grad_norm_ = clip_grad_norm_
+
+
+def _innermost(optimizer: Any) -> torch.optim.Optimizer:
+    while isinstance(optimizer, AcceleratedOptimizer):
+        optimizer = optimizer.optimizer
+    return optimizer
+
+
+def _single_optimizer_of(accelerator: Accelerator, parameters: list[torch.Tensor]) -> Any:
+    """The prepared optimizer whose parameters with gradients are exactly `parameters`' (else None)."""
+    scaler = accelerator.scaler
+    if (
+        not isinstance(scaler, DynamicLossScaler)
+        or not scaler.is_enabled()
+        or not (accelerator.native_amp and accelerator.mixed_precision == "fp16")
+        or accelerator.distributed_type not in _CLIP_ROUTED
+        or (accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2)
+    ):
+        return None
+    wanted = {id(p) for p in parameters if p.grad is not None}
+    matches = []
+    for opt in accelerator._optimizers:
+        inner = _innermost(opt)
+        owned = {id(p) for g in inner.param_groups for p in g["params"] if p.grad is not None}
+        if owned == wanted:
+            matches.append(inner)
+    return matches[0] if len(matches) == 1 else None

@@ -1,0 +1,106 @@
+"""The accelerate / transformers / torch versions and internals the integration is tested against.
+
+`tests/test_compat.py` fails loudly when the installed versions or these internals change, so an
+upgrade is re-verified before it ships.
+"""
+
+from __future__ import annotations
+
+TESTED_VERSIONS = {"accelerate": "1.16", "transformers": "5.25", "torch": "2.13", "trl": "1.16"}
+#: Optional extras: checked when installed (`hf_lossscale.integrations.trl_trainers` needs trl).
+OPTIONAL = {"trl"}
+
+# Internals we rely on: (module, attribute path).
+INTERNALS = [
+    ("accelerate.optimizer", "AcceleratedOptimizer"),
+    ("accelerate.optimizer", "patch_optimizer_step"),
+    ("accelerate.accelerator", "Accelerator.unscale_gradients"),
+    ("accelerate.accelerator", "Accelerator.clip_grad_norm_"),
+    ("transformers.trainer", "SCALER_NAME"),
+    ("transformers.trainer", "TRAINER_STATE_NAME"),
+    # the Trainer writes accelerator.scaler's state_dict() through it (we rely on it, not override it)
+    ("transformers.trainer", "Trainer._save_scaler"),
+    # the one private Trainer method LossScaleMixin overrides: loading (and checking) the scaler state
+    ("transformers.trainer", "Trainer._load_scaler"),
+    # loss normalisation looks at the model as the Trainer does
+    ("transformers.trainer_utils", "unwrap_peft_model"),
+    # install_loss_scaler wraps accelerator.clip_grad_norm_ (public) and asks is_fsdp2
+    ("accelerate.accelerator", "Accelerator.is_fsdp2"),
+    # torch's clip_grad_norm_ internals, reproduced step for step so the norm is bitwise torch's
+    ("torch.utils._foreach_utils", "_group_tensors_by_device_and_dtype"),
+    ("torch.utils._foreach_utils", "_has_foreach_support"),
+    ("torch.utils._foreach_utils", "_device_has_foreach_support"),
+    ("torch", "_foreach_norm"),
+    ("torch", "_foreach_mul_"),
+    ("torch", "_amp_foreach_non_finite_check_and_unscale_"),
+    # the FP16 emulation rounds outside its own TorchFunctionMode
+    ("torch._C", "DisableTorchFunction"),
+    # a sparse gradient's stored values: the overflow check and the observers read them, as torch's
+    # GradScaler does (`Tensor.values()` refuses an uncoalesced tensor)
+    ("torch", "Tensor._values"),
+]
+
+# Private attributes of accelerate's *instances* that install_loss_scaler reads or writes:
+# (module, class, attribute); tests/test_compat.py builds the instances and checks each.
+INSTANCE_INTERNALS = [
+    # the prepared optimizers and models, which install_loss_scaler attaches the scaler to
+    ("accelerate.accelerator", "Accelerator", "_optimizers"),
+    ("accelerate.accelerator", "Accelerator", "_models"),
+    # the step machinery AcceleratedOptimizer builds only when it has a scaler; we build it for
+    # optimizers prepared before the scaler existed
+    ("accelerate.optimizer", "AcceleratedOptimizer", "_accelerate_step_called"),
+    ("accelerate.optimizer", "AcceleratedOptimizer", "_optimizer_original_step_method"),
+    ("accelerate.optimizer", "AcceleratedOptimizer", "_optimizer_patched_step_method"),
+    # where Accelerate keeps a prepared model's own forward under autocast; plain_forward (the
+    # flushed-fraction probe) runs it, and our CPU wrapper keeps the same name
+    ("torch.nn.modules.linear", "Linear", "_original_forward"),
+    # AcceleratedOptimizer.step_was_skipped falls back on it when the scaler is not ours
+    ("accelerate.optimizer", "AcceleratedOptimizer", "_is_overflow"),
+    # torch's flag for optimizers that unscale and skip inside their own step (fused AdamW/SGD,
+    # `grad_scale=`/`found_inf=`): the scaler hands those the scale instead of unscaling
+    ("torch.optim.adamw", "AdamW", "_step_supports_amp_scaling"),
+]
+
+
+def major_minor(version: str) -> str:
+    return ".".join(version.split("+")[0].split(".")[:2])
+
+
+_warned = False
+
+
+def untested_versions() -> dict[str, str]:
+    """Installed packages whose major.minor differs from the tested one: name -> installed version."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    out = {}
+    for name, tested in TESTED_VERSIONS.items():
+        try:
+            installed = version(name)
+        except PackageNotFoundError:
+            continue
+        if major_minor(installed) != tested:
+            out[name] = installed
+    return out
+
+
+def warn_if_untested() -> None:
+    """Name, once per process, the installed torch / accelerate / transformers versions the
+    integration was not tested against (it may still work; the internals it relies on are listed
+    in `INTERNALS`)."""
+    global _warned
+    if _warned:
+        return
+    _warned = True
+    untested = untested_versions()
+    if untested:
+        import warnings
+
+        found = ", ".join(
+            f"{name} {v} (tested: {TESTED_VERSIONS[name]}.x)" for name, v in sorted(untested.items())
+        )
+        warnings.warn(
+            f"hf_lossscale was tested against other versions than these installed ones: {found}. "
+            "It may work; if it misbehaves, these versions are the first suspect.",
+            stacklevel=3,
+        )

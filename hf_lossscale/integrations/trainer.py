@@ -1,0 +1,454 @@
+"""Trainer integration: `LossScaleTrainingArguments`, `LossScaleMixin` and `LossScaleTrainer`."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import math
+import os
+import re
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from accelerate.utils import DistributedType
+from transformers import Trainer, TrainingArguments
+from transformers.trainer import SCALER_NAME, TRAINER_STATE_NAME
+
+from ..core.config import LossScaleConfig, resolve_config
+from ..core.events import EVENT_LOG_NAME
+from ..core.scaler import DynamicLossScaler
+from ..fp16.fp32_modules import run_in_fp32
+from .accelerate_hook import effective_mixed_precision, install_loss_scaler
+from .callbacks import (
+    ActivationProbeCallback,
+    FlushedFractionCallback,
+    LossScaleEventLogCallback,
+    OverflowDiagnosisCallback,
+    PreflightCallback,
+)
+from .loss_normalisation import fix_loss_normalisation
+
+__all__ = [
+    "LossScaleTrainingArguments",
+    "LossScaleMixin",
+    "LossScaleTrainer",
+    "ARG_TO_FIELD",
+    "EVENT_LOG_NAME",
+]
+
+#: `LossScaleTrainingArguments` field -> `LossScaleConfig` field.
+ARG_TO_FIELD = {
+    "loss_scale_mode": "mode",
+    "loss_scale_init": "init_scale",
+    "loss_scale_growth_factor": "growth_factor",
+    "loss_scale_backoff_factor": "backoff_factor",
+    "loss_scale_growth_interval": "growth_interval",
+    "loss_scale_min": "min_scale",
+    "loss_scale_max": "max_scale",
+    "loss_scale_hysteresis": "hysteresis",
+    "loss_scale_consecutive_hysteresis": "consecutive_hysteresis",
+    "loss_scale_max_consecutive_skips": "max_consecutive_skips",
+    "loss_scale_fp16_on_cpu": "fp16_on_cpu",
+    "loss_scale_telemetry_interval": "telemetry_interval",
+    "loss_scale_backoff_on_nonfinite_loss": "backoff_on_nonfinite_loss",
+    "loss_scale_fp32_modules": "fp32_modules",
+    "loss_scale_max_auto_fp32_modules": "max_auto_fp32_modules",
+    "loss_scale_at_min_scale": "at_min_scale",
+    "loss_scale_floor_event_steps": "floor_event_steps",
+}
+
+logger = logging.getLogger(__name__)
+
+_FRESH_HINT = (
+    "To start a fresh loss scaler on purpose (initial scale, counters at zero), pass "
+    "`--loss_scale_fresh_on_resume` (LossScaleTrainingArguments) or "
+    "`LossScaleTrainer(..., loss_scale_fresh_on_resume=True)`."
+)
+
+
+def _shown(value: Any) -> str:
+    """A default as a user would type it: powers of two as 2**k, an empty tuple as none."""
+    if isinstance(value, float) and value >= 1024 and math.log2(value).is_integer():
+        return f"2**{int(math.log2(value))}"
+    if isinstance(value, tuple):
+        return ",".join(value) or "none"
+    return repr(value)
+
+
+def _setting(config_field: str, extra: str = "") -> Any:
+    """A `loss_scale_*` argument for one `LossScaleConfig` field: default None ("not set"); its help is
+    the config field's, with the config's default."""
+    spec = next(f for f in dataclasses.fields(LossScaleConfig) if f.name == config_field)
+    return field(
+        default=None, metadata={"help": f"{spec.metadata['help']} (default {_shown(spec.default)}{extra})"}
+    )
+
+
+@dataclass
+class LossScaleTrainingArguments(TrainingArguments):
+    """`TrainingArguments` with the loss-scale settings. `None` means "not set".
+
+    Set fields win over the `HF_LOSSSCALE_*` environment variables and the `HF_LOSSSCALE_CONFIG`
+    file; an explicit `loss_scale_config=` given to the trainer wins over all of them. Values are
+    validated here, through `LossScaleConfig`, so a bad flag fails at argument time.
+    """
+
+    # The settings, one per `LossScaleConfig` field (`ARG_TO_FIELD`): None means "not set"; the help
+    # text and the default it names come from the config field (tests/test_config.py checks each).
+    loss_scale_mode: str | None = _setting("mode")
+    loss_scale_init: float | None = _setting("init_scale")
+    loss_scale_growth_factor: float | None = _setting("growth_factor")
+    loss_scale_backoff_factor: float | None = _setting("backoff_factor")
+    loss_scale_growth_interval: int | None = _setting("growth_interval")
+    loss_scale_min: float | None = _setting("min_scale")
+    loss_scale_max: float | None = _setting("max_scale")
+    loss_scale_hysteresis: int | None = _setting("hysteresis")
+    loss_scale_consecutive_hysteresis: bool | None = _setting("consecutive_hysteresis")
+    loss_scale_max_consecutive_skips: int | None = _setting("max_consecutive_skips", "; 0 disables the check")
+    loss_scale_fp16_on_cpu: str | None = _setting("fp16_on_cpu")
+    loss_scale_telemetry_interval: int | None = _setting(
+        "telemetry_interval", "; logged as grad_zero_frac, grad_subnormal_frac, headroom_bits"
+    )
+    loss_scale_backoff_on_nonfinite_loss: bool | None = _setting("backoff_on_nonfinite_loss")
+    loss_scale_fp32_modules: str | None = _setting("fp32_modules")
+    loss_scale_max_auto_fp32_modules: int | None = _setting("max_auto_fp32_modules")
+    loss_scale_at_min_scale: str | None = _setting("at_min_scale")
+    loss_scale_floor_event_steps: int | None = _setting("floor_event_steps")
+    loss_scale_preflight: bool = field(
+        default=False,
+        metadata={
+            "help": "Before the first step, run `hf-lossscale preflight` on the first batch (FP32 passes): "
+            "warn with the table of modules that would overflow in FP16 or come within 2 bits of it."
+        },
+    )
+    loss_scale_activation_probe: bool = field(
+        default=False,
+        metadata={
+            "help": "Also histogram the activation gradients at module boundaries (sampled) on telemetry "
+            "steps, where FP16 underflow happens; logged as act_grad_lost_frac."
+        },
+    )
+    loss_scale_fresh_on_resume: bool = field(
+        default=False,
+        metadata={"help": "On resume, start a fresh scaler when the checkpoint has no usable scaler state."},
+    )
+    loss_scale_measure_flushed: bool = field(
+        default=False,
+        metadata={
+            "help": "Measure the fraction of gradient elements that FP16 flushes to zero (against an FP32 "
+            "pass on the first training batch) at the start and the end of training, at the scale in force."
+        },
+    )
+    loss_scale_fix_accumulated_loss: bool = field(
+        default=True,
+        metadata={
+            "help": "Under gradient accumulation, divide each micro-batch's loss by the accumulation steps for a "
+            "model whose forward takes **kwargs but ignores num_items_in_batch (otherwise the Trainer sums "
+            "the micro-batch means: gradients x N). False keeps the Trainer's own behaviour."
+        },
+    )
+    loss_scale_event_log: bool = field(
+        default=True,
+        metadata={
+            "help": f"Write the JSONL event log `{EVENT_LOG_NAME}` (scale, skips, logs) to output_dir."
+        },
+    )
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        flags = {name: f"--{arg}" for arg, name in ARG_TO_FIELD.items()}
+        resolve_config(None, self.loss_scale_overrides(), override_source=flags)  # validate now
+        set_args = [name for name in ARG_TO_FIELD if getattr(self, name) is not None]
+        if set_args and not self.fp16_effective:
+            warnings.warn(
+                f"{set_args} are set but FP16 is off (fp16=False and ACCELERATE_MIXED_PRECISION is not "
+                "'fp16'): they have no effect.",
+                stacklevel=2,
+            )
+
+    @property
+    def fp16_effective(self) -> bool:
+        """FP16 as the Trainer's Accelerator will see it (`ACCELERATE_MIXED_PRECISION` can set it)."""
+        return bool(self.fp16) or os.environ.get("ACCELERATE_MIXED_PRECISION", "no") == "fp16"
+
+    def loss_scale_overrides(self) -> dict[str, Any]:
+        """The `LossScaleConfig` fields the user set, by config field name."""
+        out = {
+            name: getattr(self, arg) for arg, name in ARG_TO_FIELD.items() if getattr(self, arg) is not None
+        }
+        if out.get("max_consecutive_skips") == 0:
+            out["max_consecutive_skips"] = None  # 0 on the command line disables the collapse check
+        return out
+
+
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
+
+
+def _checkpoint_problem(path: str, step: int) -> str | None:
+    """Why `path` is not a complete Trainer checkpoint, or None. The Trainer writes
+    `trainer_state.json` last, so a checkpoint cut short by a crash lacks it or holds a partial one."""
+    state_file = os.path.join(path, TRAINER_STATE_NAME)
+    try:
+        with open(state_file, encoding="utf-8") as f:
+            state = json.load(f)
+    except FileNotFoundError:
+        return f"no {TRAINER_STATE_NAME} (written last: the save was cut short)"
+    except (OSError, ValueError) as err:
+        return f"unreadable {TRAINER_STATE_NAME}: {err}"
+    if not isinstance(state, dict) or state.get("global_step") != step:
+        return f"{TRAINER_STATE_NAME} does not describe step {step}"
+    return None
+
+
+def last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
+    """The highest-numbered complete `checkpoint-N` in `output_dir`, or None.
+
+    `transformers.trainer_utils.get_last_checkpoint` takes the highest number whether or not its
+    save finished; this skips (with a warning naming it, and without deleting anything) any
+    checkpoint whose `trainer_state.json`, the file the Trainer writes last, is missing or broken.
+    """
+    if not os.path.isdir(output_dir):
+        return None
+    found = sorted(
+        ((int(m.group(1)), name) for name in os.listdir(output_dir) if (m := _CHECKPOINT.match(name))),
+        reverse=True,
+    )
+    for step, name in found:
+        path = os.path.join(output_dir, name)
+        if not os.path.isdir(path):
+            continue
+        problem = _checkpoint_problem(path, step)
+        if problem is None:
+            return path
+        warnings.warn(f"Skipping incomplete checkpoint {path}: {problem}.", stacklevel=2)
+    return None
+
+
+def check_deepspeed_fp16(config: LossScaleConfig, fp16_section: dict[str, Any]) -> list[str]:
+    """Warn, naming them, where DeepSpeed's `fp16` section differs from `config.to_deepspeed_config()`
+    ("auto" values, which Accelerate fills in, count as agreeing). Returns the differing keys."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the inexpressible settings are not the question here
+        wanted = config.to_deepspeed_config()
+    differing = sorted(
+        k for k, v in wanted.items() if k in fp16_section and fp16_section[k] not in (v, "auto")
+    )
+    missing = sorted(k for k in wanted if k not in fp16_section)
+    if differing or missing:
+        warnings.warn(
+            "DeepSpeed owns the loss scaler in this run; its fp16 section differs from the loss-scale config: "
+            + ", ".join(f"{k}={fp16_section[k]!r} (config: {wanted[k]!r})" for k in differing)
+            + (f"; not set there (DeepSpeed defaults apply): {missing}" if missing else "")
+            + ". Put `LossScaleConfig.to_deepspeed_config()` in the DeepSpeed config's fp16 section.",
+            stacklevel=3,
+        )
+    return differing + missing
+
+
+def deepspeed_scale_figures(engine: Any) -> dict[str, float]:
+    """`loss_scale` and `skipped_steps` of a DeepSpeed engine, under our log names (empty if absent)."""
+    out: dict[str, float] = {}
+    optimizer = getattr(engine, "optimizer", None)
+    scale = getattr(optimizer, "cur_scale", None)
+    if scale is None:
+        scale = getattr(getattr(optimizer, "loss_scaler", None), "cur_scale", None)
+    if scale is not None:
+        out["loss_scale"] = float(scale)
+    if getattr(engine, "skipped_steps", None) is not None:
+        out["skipped_steps"] = int(engine.skipped_steps)
+    return out
+
+
+class LossScaleMixin:
+    """Put a `DynamicLossScaler` in charge of any `Trainer` subclass's FP16 training.
+
+    Use it first in the bases: `class MyTrainer(LossScaleMixin, Seq2SeqTrainer): ...`.
+
+    Adds to every log event `loss_scale`, `skipped_steps` (cumulative) and `overflow_rate` (skipped
+    / optimizer steps since the previous log). Reading them syncs once per log, not per step. The
+    LR scheduler is not stepped on a skipped optimizer step (fused optimizers included): the
+    Trainer reads the device-side skip flag once per optimizer step for that.
+
+    What it overrides is only what has to be an override: installing the scaler when the
+    Accelerator is created, loading the scaler's state on resume, the log fields, and `train`
+    (resume from the last *complete* checkpoint; record the exception that stops a run). What
+    watches the run is a `TrainerCallback` (`hf_lossscale.integrations.callbacks`), added according to the
+    arguments: the event log (`loss_scale_event_log`), the overflow diagnosis, the flushed-fraction
+    probe (`loss_scale_measure_flushed`), the activation probe (`loss_scale_activation_probe`) and
+    TensorBoard histograms (`report_to` with `tensorboard`).
+
+    Args:
+        loss_scale_config (`LossScaleConfig`, *optional*): wins over the arguments, the environment
+            and the config file.
+        loss_scale_fresh_on_resume (`bool`, *optional*, defaults to `False`): on resume, start a
+            fresh scaler when the checkpoint holds no usable scaler state (otherwise an error).
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        loss_scale_config: LossScaleConfig | None = None,
+        loss_scale_fresh_on_resume: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        if loss_scale_config is not None and not isinstance(loss_scale_config, LossScaleConfig):
+            raise TypeError(
+                f"loss_scale_config must be a LossScaleConfig, got {type(loss_scale_config).__name__}."
+            )
+        self._loss_scale_config = loss_scale_config
+        self._loss_scale_fresh = loss_scale_fresh_on_resume
+        self.loss_scaler: DynamicLossScaler | None = None
+        self._last_logged_counts = (0, 0)
+        #: The telemetry snapshots read at the current log step (`param_grads`, `activation_grads`),
+        #: for callbacks such as `LossScaleTensorBoardCallback`; None between log steps.
+        self.latest_telemetry: dict[str, dict[str, Any]] | None = None
+        super().__init__(*args, **kwargs)
+        self.loss_normalisation = fix_loss_normalisation(self)
+        self._add_loss_scale_callbacks()
+
+    def _add_loss_scale_callbacks(self) -> None:
+        args = self.args
+        #: The event log (`loss_scale_log.jsonl`); other callbacks write through it.
+        self.loss_scale_events = LossScaleEventLogCallback(
+            self, enabled=getattr(args, "loss_scale_event_log", True)
+        )
+        self.activation_probe: ActivationProbeCallback | None = None
+        if getattr(args, "loss_scale_measure_flushed", False):
+            # Before the event log: its end measurement comes before `run_end`.
+            self.add_callback(FlushedFractionCallback(self, self.loss_scale_events))
+        self.add_callback(self.loss_scale_events)
+        if getattr(args, "loss_scale_preflight", False):
+            self.add_callback(PreflightCallback(self, self.loss_scale_events))
+        self.add_callback(OverflowDiagnosisCallback(self, self.loss_scale_events))
+        if getattr(args, "loss_scale_activation_probe", False):
+            self.activation_probe = ActivationProbeCallback(self)
+            self.add_callback(self.activation_probe)
+        if "tensorboard" in (args.report_to or []):
+            from .tensorboard import LossScaleTensorBoardCallback
+
+            self.add_callback(LossScaleTensorBoardCallback(self))
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        self.loss_scaler = None
+        overrides = self.args.loss_scale_overrides() if hasattr(self.args, "loss_scale_overrides") else {}
+        if effective_mixed_precision(self.accelerator) != "fp16":
+            if overrides or self._loss_scale_config is not None:
+                warnings.warn(
+                    "Loss-scale settings were given but the run is not FP16 "
+                    f"(mixed_precision={effective_mixed_precision(self.accelerator)!r}): they have no effect.",
+                    stacklevel=2,
+                )
+            return
+        if self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            # DeepSpeed's engine owns its scaler: check its fp16 section against ours, log its figures.
+            config = resolve_config(self._loss_scale_config, overrides)
+            plugin = self.accelerator.state.deepspeed_plugin
+            check_deepspeed_fp16(config, (plugin.deepspeed_config or {}).get("fp16", {}))
+            return
+        self.loss_scaler = install_loss_scaler(self.accelerator, self._loss_scale_config, overrides=overrides)
+
+    # ------------------------------------------------------------------ logging
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        if self.loss_scaler is None and self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+            logs.update(deepspeed_scale_figures(self.model_wrapped))
+        if self.loss_scaler is not None:
+            stats = self.loss_scaler.stats()
+            last_total, last_skipped = self._last_logged_counts
+            steps = stats["total_steps"] - last_total
+            skipped = stats["skipped_steps"] - last_skipped
+            logs["loss_scale"] = stats["loss_scale"]
+            logs["skipped_steps"] = stats["skipped_steps"]
+            logs["nonfinite_loss_steps"] = stats["nonfinite_loss_steps"]
+            logs["overflow_rate"] = skipped / steps if steps > 0 else 0.0
+            # 1.0 when FP16 was emulated on the CPU: such figures are not GPU measurements.
+            logs["fp16_emulated"] = float(getattr(self.accelerator, "hf_lossscale_fp16", "") == "emulated")
+            self._last_logged_counts = (stats["total_steps"], stats["skipped_steps"])
+            telemetry = self.loss_scaler.telemetry.read(only_new=True)
+            if telemetry is not None:
+                logs["grad_zero_frac"] = telemetry["zero_frac"]
+                logs["grad_subnormal_frac"] = telemetry["subnormal_frac"]
+                logs["headroom_bits"] = telemetry["headroom_bits"]
+            probe = self.activation_probe.read() if self.activation_probe is not None else None
+            if probe is not None:
+                logs["act_grad_lost_frac"] = probe["lost_frac"]
+            snapshots = {"param_grads": telemetry, "activation_grads": probe}
+            self.latest_telemetry = {k: v for k, v in snapshots.items() if v is not None} or None
+        try:
+            super().log(logs, *args, **kwargs)  # the callbacks' on_log sees latest_telemetry
+        finally:
+            self.latest_telemetry = None
+
+    # ------------------------------------------------------------------ training
+    def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
+        """`Trainer.train`; `resume_from_checkpoint=True` resumes from the last *complete* checkpoint
+        (see `last_complete_checkpoint`), not merely the highest-numbered one. An exception that
+        stops the run (a `LossScaleCollapseError` included) is written to the event log, then raised."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
+            if resume_from_checkpoint is None:
+                raise ValueError(f"No complete checkpoint found in output_dir {self.args.output_dir!r}.")
+        try:
+            return super().train(resume_from_checkpoint, *args, **kwargs)
+        except BaseException as err:
+            self.loss_scale_events.record_error(err, resumed=bool(resume_from_checkpoint))
+            raise
+
+    # ------------------------------------------------------------------ checkpoints
+    @property
+    def _fresh_on_resume(self) -> bool:
+        return self._loss_scale_fresh or bool(getattr(self.args, "loss_scale_fresh_on_resume", False))
+
+    def _load_scaler(self, checkpoint: str | None) -> None:
+        scaler = self.loss_scaler
+        if checkpoint is None or scaler is None or not scaler.is_enabled():
+            return super()._load_scaler(checkpoint)
+        path = os.path.join(checkpoint, SCALER_NAME)
+        if not os.path.isfile(path):
+            return self._no_scaler_state(
+                f"Checkpoint {checkpoint} holds no loss-scaler state ({SCALER_NAME} is missing) but "
+                "loss scaling is on; resuming would silently reset the scale."
+            )
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception as err:  # truncated, corrupted, not a torch file
+            return self._no_scaler_state(f"Cannot read the loss-scaler state {path}: {err}.")
+        try:
+            scaler.load_state_dict(state)
+        except ValueError as err:
+            return self._no_scaler_state(f"Invalid loss-scaler state in {path}: {err}")
+        if scaler.state.fp32_modules:  # what "auto" moved to FP32 before the checkpoint stays there
+            run_in_fp32(
+                self.accelerator.unwrap_model(self.model), scaler.state.fp32_modules, include_model_own=False
+            )
+        # `overflow_rate` counts from the checkpoint on, as the uninterrupted run does.
+        stats = scaler.stats()
+        self._last_logged_counts = (stats["total_steps"], stats["skipped_steps"])
+
+    def _no_scaler_state(self, problem: str) -> None:
+        if self._fresh_on_resume:
+            warnings.warn(f"{problem} Starting a fresh loss scaler, as requested.", stacklevel=3)
+            return
+        raise RuntimeError(f"{problem} {_FRESH_HINT}")
+
+
+class LossScaleTrainer(LossScaleMixin, Trainer):
+    """A `transformers.Trainer` whose FP16 loss scaling is a configurable `DynamicLossScaler`.
+
+    Same constructor as `Trainer`, plus `loss_scale_config=` (wins over the arguments) and
+    `loss_scale_fresh_on_resume=`. Plain `TrainingArguments` work too (then the config comes from
+    the environment or the defaults). On a CPU with `fp16=True` it trains with real FP16 autocast
+    instead of silently in FP32.
+
+    Example:
+
+    ```python
+    >>> from hf_lossscale import LossScaleTrainer, LossScaleTrainingArguments
+    >>> args = LossScaleTrainingArguments("out", fp16=True, loss_scale_min=16.0, loss_scale_hysteresis=2)
+    >>> trainer = LossScaleTrainer(model=model, args=args, train_dataset=train_dataset)  # doctest: +SKIP
+    >>> trainer.train()  # doctest: +SKIP
+    ```
+    """

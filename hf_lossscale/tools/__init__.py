@@ -1,0 +1,1 @@
+"""The `hf-lossscale` command line: compare, verdicts, reports, the demo."""

@@ -1,0 +1,172 @@
+"""The comparison runner: one training script, run once per setting and seed with the same data
+order and number of optimizer steps; FP32, FP16 + dynamic scaling, FP16 + a static scale, FP16 with
+scaling off, and BF16 (autocast, no scaler) on request. `hf-lossscale compare SCRIPT [options] -- SCRIPT_ARGS`.
+
+The script is any `HfArgumentParser` script whose trainer uses `LossScaleMixin` (our recipes, or
+yours): each run writes its event log (`loss_scale_log.jsonl`) to its output folder, and this
+module reads it while the run goes (a progress line per step) and after (`summary.md`,
+`metrics.json`, `eval_loss.png`, `loss_scale.png`). Runs are subprocesses, started with
+`accelerate launch` unless `--launcher python`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from .files import DirectoryLock, LockedError, atomic_write_text
+from .plots import write_plots
+from .runner import CHILDREN, finished_with, launch_prefix, on_signal, run_one, stop
+from .runs import DEFAULT_SETTINGS, FP16_SETTINGS, OWNED_FLAGS, RUN_RECORD, SETTINGS, RunResult, setting_flags
+from .summary import percent, percent_change, scale_text, summarize, write_summary
+
+_finished_with = finished_with  # its name before the split into runs / runner / summary / plots
+
+__all__ = [
+    "SETTINGS", "RunResult", "run_comparison", "add_compare_arguments", "split_script_args",
+    # importable from here as before the split (runs / runner / summary / plots)
+    "DEFAULT_SETTINGS", "FP16_SETTINGS", "OWNED_FLAGS", "RUN_RECORD", "launch_prefix", "percent", "percent_change",
+    "scale_text", "setting_flags", "summarize", "write_summary", "write_plots",
+]  # fmt: skip
+
+
+# ---------------------------------------------------------------------- entry point
+def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "script", help="A training script that uses LossScaleTrainer (e.g. recipes/language_modeling.py)."
+    )
+    parser.add_argument(
+        "--settings",
+        default=",".join(DEFAULT_SETTINGS),
+        help=f"Comma-separated, from {list(SETTINGS)}; default {','.join(DEFAULT_SETTINGS)} (bf16 on request: "
+        "not every GPU has it).",
+    )
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="One run per setting and seed.")
+    parser.add_argument(
+        "--max_steps", type=int, default=40, help="Optimizer steps per run (the same for all)."
+    )
+    parser.add_argument(
+        "--output_dir", default="compare_out", help="Where summary.md, metrics.json and plots go."
+    )
+    parser.add_argument("--static_scale", type=float, default=2.0**24, help="The static setting's scale.")
+    parser.add_argument("--fp16_on_cpu", choices=["emulate", "native"], default="emulate",
+                        help="FP16 on a CPU: emulated (default, FP32 speed) or native autocast (~20x slower).")  # fmt: skip
+    parser.add_argument("--launcher", choices=["accelerate", "python"], default="accelerate",
+                        help="Start each run with `accelerate launch` (default) or the plain interpreter.")  # fmt: skip
+    parser.add_argument("--launch_config", default=None, help="An `accelerate launch --config_file` YAML.")
+    parser.add_argument("--first_seed_only", default="",
+                        help="Comma-separated settings run with the first seed only (e.g. 'static', whose "
+                        "overflow storm needs no noise estimate).")  # fmt: skip
+    parser.add_argument("--reuse_finished", action="store_true",
+                        help="Keep a run that already finished (exit 0) in OUTPUT_DIR/runs with the same command "
+                        "instead of rerunning it: resume an interrupted comparison, or run seeds in parallel "
+                        "into one OUTPUT_DIR and summarise them together.")  # fmt: skip
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="Runs at a time (each a subprocess; with more than 1, each gets OMP_NUM_THREADS = "
+                        "cores / jobs unless you set it). Two one-thread runs beat one two-thread run on a CPU.")  # fmt: skip
+    parser.add_argument("--dynamic_init_scale", type=float, default=None,
+                        help="The dynamic setting's initial scale (default: the scaler's, 2^16). Start it above "
+                        "where the gradients overflow to watch it back off.")  # fmt: skip
+    parser.add_argument("--dynamic_growth_interval", type=int, default=None,
+                        help="The dynamic setting's clean steps before it doubles (default: the scaler's, 2000).")  # fmt: skip
+    parser.add_argument("--no_flushed_probe", dest="flushed_probe", action="store_false",
+                        help="Skip the flushed-fraction measurement of each FP16 run.")  # fmt: skip
+
+
+def validate(opts: argparse.Namespace) -> None:
+    settings = [s.strip() for s in opts.settings.split(",") if s.strip()]
+    unknown = [s for s in settings if s not in SETTINGS]
+    if unknown or not settings:
+        raise SystemExit(f"--settings {opts.settings!r}: unknown {unknown}; choose from {list(SETTINGS)}.")
+    opts.settings = settings
+    first_only = [s.strip() for s in (getattr(opts, "first_seed_only", "") or "").split(",") if s.strip()]
+    if any(s not in settings for s in first_only):
+        raise SystemExit(f"--first_seed_only {first_only}: each must be one of --settings {settings}.")
+    opts.first_seed_only = first_only
+    opts.script_args = list(getattr(opts, "script_args", []))
+    owned = sorted({a.split("=", 1)[0] for a in opts.script_args if a.split("=", 1)[0] in OWNED_FLAGS})
+    if owned:
+        raise SystemExit(
+            f"Script arguments {owned} are set by the runner per setting; use the runner's options instead."
+        )
+    if opts.max_steps < 1:
+        raise SystemExit(f"--max_steps must be at least 1, got {opts.max_steps}.")
+    if not opts.static_scale > 0 or not math.isfinite(opts.static_scale):
+        raise SystemExit(f"--static_scale must be a positive finite number, got {opts.static_scale}.")
+    if not Path(opts.script).is_file():
+        raise SystemExit(f"No script {opts.script!r}.")
+    if getattr(opts, "jobs", 1) < 1:
+        raise SystemExit(f"--jobs must be at least 1, got {opts.jobs}.")
+    init = getattr(opts, "dynamic_init_scale", None)
+    if init is not None and not (init > 0 and math.isfinite(init)):
+        raise SystemExit(f"--dynamic_init_scale must be a positive finite number, got {init}.")
+    interval = getattr(opts, "dynamic_growth_interval", None)
+    if interval is not None and interval < 1:
+        raise SystemExit(f"--dynamic_growth_interval must be at least 1, got {interval}.")
+    if len(set(opts.seeds)) != len(opts.seeds):
+        raise SystemExit(f"--seeds {opts.seeds} repeats a seed.")
+
+
+def run_comparison(opts: argparse.Namespace) -> tuple[list[RunResult], dict[str, Any]]:
+    """Run every setting and seed, then write summary.md, metrics.json and the plots."""
+    validate(opts)
+    from .._extras import need
+
+    need("matplotlib", "hf-lossscale compare's plots", "tools")  # before hours of runs, not after
+    out = Path(opts.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        lock = DirectoryLock(out, what="another hf-lossscale compare").__enter__()
+    except LockedError as err:
+        raise SystemExit(str(err)) from None
+    handlers = {}
+    if threading.current_thread() is threading.main_thread():  # SIGTERM/SIGINT stop the children too
+        handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        return _run_comparison(opts, out)
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        for proc in list(CHILDREN):
+            stop(proc)
+        lock.__exit__(None, None, None)
+
+
+def _run_comparison(opts: argparse.Namespace, out: Path) -> tuple[list[RunResult], dict[str, Any]]:
+    opts.command_line = (
+        getattr(opts, "command_line", None) or "hf_lossscale.tools.compare.run_comparison(...)"
+    )
+    plan = [(setting, seed) for seed in opts.seeds for setting in opts.settings
+            if seed == opts.seeds[0] or setting not in opts.first_seed_only]  # fmt: skip
+    with ThreadPoolExecutor(max_workers=getattr(opts, "jobs", 1)) as pool:
+        futures = [pool.submit(run_one, opts.script, st, sd, opts, opts.script_args, out) for st, sd in plan]
+        results = [f.result() for f in futures]
+    summary = summarize(results, opts)
+    text = write_summary(results, summary, opts, out)
+    plots = write_plots(results, opts, out)
+    payload = {
+        "command": opts.command_line,
+        "options": {k: v for k, v in vars(opts).items() if k != "command_line"},
+        "runs": [asdict(r) for r in results],
+        "summary": summary,
+        "plots": plots,
+    }
+    atomic_write_text(out / "metrics.json", json.dumps(payload, indent=2, default=str))
+    print(text)
+    print(f"Wrote {out / 'summary.md'}, {out / 'metrics.json'}, " + ", ".join(str(out / p) for p in plots))
+    return results, summary
+
+
+def split_script_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """`[runner options] -- [script flags]` -> the two lists."""
+    if "--" in argv:
+        i = argv.index("--")
+        return argv[:i], argv[i + 1 :]
+    return argv, []
