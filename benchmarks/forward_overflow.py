@@ -186,7 +186,7 @@ def train_one(checkpoint: Path, setting: str, seed: int, steps: int, out_dir: Pa
 
 
 def summarise(result: dict) -> str:
-    from hf_lossscale import verdict
+    from hf_lossscale.tools import verdict
 
     runs = result["runs"]
     lines = [

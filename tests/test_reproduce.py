@@ -338,3 +338,32 @@ def test_terminating_the_runner_stops_its_child(tmp_path):
         alive = state not in ("Z", "X")
     assert not alive
     assert not (tmp_path / "out" / ".hf_lossscale.lock").exists()
+
+
+def test_simulated_benchmark_is_judged_against_the_fp32_it_simulates(tmp_path):
+    """`shakespeare-scratch-1m` (gradients divided by 256) holds FP32 at seed 0 only and FP16 runs at
+    three seeds: its verdicts pair each seed with `shakespeare-scratch`'s FP32 run at that seed, and
+    its own FP32 run is reported as what the divisor changes. Bugs caught: a simulated benchmark
+    judged on its own one FP32 seed (no verdict), FP32 borrowed from another seed, the divided
+    FP32 run counted as the baseline."""
+    base = synthetic({"fp32": [4.78, 4.77, 4.79]})
+    base["benchmark"] = "shakespeare-scratch"
+    sim = synthetic({"fp32": [4.781], "off": [6.7, 6.6, 6.8], "dynamic": [4.79, 4.78, 4.80]})
+    sim["benchmark"] = "shakespeare-scratch-1m"
+    for result in (base, sim):
+        for r in result["runs"]:
+            r["final_eval"] = {"eval_loss": r["final_eval"]["eval_accuracy"]}
+        (tmp_path / f"{result['benchmark']}.json").write_text(json.dumps(result))
+    loaded = table.load(tmp_path / "shakespeare-scratch-1m.json")
+    found = {v["setting"]: v for v in table.verdicts(loaded)}
+    assert found["off"]["n"] == 3 and found["off"]["gaps"] == pytest.approx([1.92, 1.83, 2.01])
+    assert found["off"]["verdict"] == "worse" and found["dynamic"]["gaps"] == pytest.approx(
+        [0.01, 0.01, 0.01]
+    )
+    text = table.render(loaded)
+    assert "FP32 is `shakespeare-scratch`'s" in text and "FP32, gradients divided against it" in text
+    assert "+0.0010" in text  # 4.781 - 4.78, the divisor's own effect at seed 0
+    # a benchmark that simulates nothing is loaded as written
+    assert table.load(tmp_path / "shakespeare-scratch.json") == json.loads(
+        (tmp_path / "shakespeare-scratch.json").read_text()
+    )

@@ -219,3 +219,25 @@ def test_advise_end_to_end_on_a_local_model(tmp_path, capsys):
     )  # the largest power of two with a 3-bit margin
     assert result["lost_at_recommended"] <= result["lost_at_1"]
     assert f"--loss_scale_init {scale:g}" in capsys.readouterr().out
+
+
+def test_buckets_of_every_bit_pattern_match_the_exponent_field():
+    """Random 32-bit patterns (every sign, exponent, subnormal, inf and NaN), non-contiguous and of
+    odd length: the counts equal a histogram of the IEEE exponent field read with integer shifts.
+    Bug caught: the byte-level exponent read (CPU) taking the wrong byte or losing the exponent's
+    lowest bit, which would move every value to a neighbouring bucket."""
+    from hf_lossscale.core.telemetry import _BELOW, _FOLD, _ZERO
+
+    g = torch.Generator().manual_seed(0)
+    bits = torch.randint(-(2**31), 2**31 - 1, (200_003,), dtype=torch.int64, generator=g).to(torch.int32)
+    bits[:100] = 0  # zeros
+    values = bits.view(torch.float32)[::2]  # strided
+    biased = (values.contiguous().view(torch.int32) >> 23) & 0xFF
+    expected = torch.zeros(len(BUCKETS), dtype=torch.int64).index_add_(
+        0, _FOLD, torch.bincount(biased.long(), minlength=256)
+    )
+    zeros = int((values == 0).sum())
+    got = bucket_counts(values)
+    assert got[_ZERO] == zeros and got[_BELOW] == int(expected[_BELOW]) - zeros
+    got[_ZERO], got[_BELOW] = 0, int(expected[_BELOW])
+    assert torch.equal(got, expected)

@@ -421,8 +421,8 @@ def test_logged_grad_norm_is_torchs_unscaled_norm(tmp_path, monkeypatch, optim):
     its logged `grad_norm` must be the norm torch's unscale_ + clip_grad_norm_ sequence gives
     (Accelerate's own clip_grad_norm_), step by step, with an overflow in the run. Bug caught:
     the scaled norm logged (x1024), or the routed path diverging from torch's."""
-    from hf_lossscale import accelerate_hook
-    from hf_lossscale import scaler as scaler_module
+    from hf_lossscale.core import scaler as scaler_module
+    from hf_lossscale.integrations import accelerate_hook
 
     calls = []
     routed_clip = scaler_module.DynamicLossScaler.clip_grad_norm_

@@ -7,7 +7,7 @@ import json
 import pytest
 from tiny_models import save_tiny_bert
 
-from hf_lossscale import underflow
+from hf_lossscale.fp16 import underflow
 from hf_lossscale.tools.cli import main
 
 

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from hf_lossscale import verdict
+from hf_lossscale.tools import verdict
 
 
 def run(setting, seed, final, curve=None, metric="eval_loss", **kw):

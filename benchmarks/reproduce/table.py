@@ -10,13 +10,40 @@ import json
 import math
 from pathlib import Path
 
-from hf_lossscale import verdict
+from hf_lossscale.tools import verdict
 from hf_lossscale.tools.runs import SETTINGS
 from hf_lossscale.tools.summary import percent, percent_change, scale_text
 
-LABELS = {**SETTINGS, "static": f"{SETTINGS['static']} 2^24"}  # the benchmarks' static scale
+LABELS = {
+    **SETTINGS,
+    "static": f"{SETTINGS['static']} 2^24",  # the benchmarks' static scale
+    "fp32_divided": "FP32, gradients divided",  # a simulated benchmark's own FP32 (see `load`)
+}
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 HEADLINE = "<!-- headline:start -->", "<!-- headline:end -->"
+
+
+def load(path: Path) -> dict:
+    """A results file, ready to render. A simulated benchmark (run.py's `fp32_from`: gradients
+    divided by `--loss_divisor`, which leaves FP32's updates as they were) is judged against the
+    FP32 runs of the benchmark it simulates, at the same seeds; its own FP32 runs, where made, become
+    `fp32_divided` and are compared with those (what the divisor changes: only the clip's 1e-6 term)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from run import BENCHMARKS  # beside this file
+
+    result = json.loads(Path(path).read_text())
+    source = BENCHMARKS.get(result["benchmark"], {}).get("fp32_from")
+    base = Path(path).with_name(f"{source}.json") if source else None
+    if base is None or not base.is_file():
+        return result
+    own = [dict(r, setting="fp32_divided") if r["setting"] == "fp32" else r for r in result["runs"]]
+    borrowed = [
+        dict(r, borrowed_from=source) for r in json.loads(base.read_text())["runs"] if r["setting"] == "fp32"
+    ]
+    seeds = {r["seed"] for r in own}
+    return {**result, "runs": own + [r for r in borrowed if r["seed"] in seeds], "fp32_from": source}
 
 
 def headline(result: dict) -> str:
@@ -154,6 +181,19 @@ def render(result: dict) -> str:
     if fp32:
         spread = f" (seed spread {_fmt(metric, max(fp32) - min(fp32))})" if len(fp32) > 1 else ""
         lines.append(f"FP32 {shown}: {' / '.join(_fmt(metric, v) for v in fp32)}{spread}.")
+    if result.get("fp32_from"):
+        lines.append(
+            f"FP32 is `{result['fp32_from']}`'s (the same seeds, the same updates: the divisor divides AdamW's "
+            "epsilon and the clip threshold with the gradients)."
+        )
+        fidelity = verdict.paired_verdict(
+            [r for r in result["runs"] if r["status"] == "ok"], "fp32_divided", metric
+        )
+        if fidelity["n"]:
+            gaps, interval, _ = _gaps_and_word(fidelity)
+            lines.append(
+                f"- {LABELS['fp32_divided']} against it (what the divisor itself changes): {gaps}{interval}."
+            )
     lines += [verdict_line(v, shown) for v in verdicts(result)]
     against = bf16_against_dynamic(result)
     if against is not None and against["n"]:
@@ -165,14 +205,14 @@ def render_tables(folder: Path) -> str:
     files = sorted(Path(folder).glob("*.json"), key=lambda p: (p.stem != "sst2", p.stem))
     if not files:
         return "(no results yet: run `python benchmarks/reproduce/run.py <benchmark>`)\n"
-    return "\n".join(render(json.loads(p.read_text())) for p in files)
+    return "\n".join(render(load(p)) for p in files)
 
 
 def render_headline(folder: Path) -> str:
     """One row per benchmark for the project README: each setting's headline metric per seed (the
     static 2^24 column only when some benchmark ran it)."""
     files = sorted(Path(folder).glob("*.json"), key=lambda p: (p.stem != "sst2", p.stem))
-    results = [json.loads(path.read_text()) for path in files]
+    results = [load(path) for path in files]
     settings = ["fp32", "dynamic", "off"]
     for extra in ("static", "bf16"):  # a column only where some benchmark ran the setting
         if any(r["setting"] == extra for result in results for r in result["runs"]):

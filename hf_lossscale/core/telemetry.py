@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import re
+import sys
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -74,10 +75,14 @@ def bucket_counts(tensor: torch.Tensor, out: torch.Tensor | None = None) -> torc
     x = (x if x.dtype == torch.float32 else x.float()).contiguous()
     if out is None:
         out = torch.zeros(N_BUCKETS, dtype=torch.int64, device=x.device)
-    biased = (x.view(torch.int32) >> 23) & 0xFF
-    if x.device.type == "cpu":
-        per_exponent = torch.bincount(biased.to(torch.uint8), minlength=256)
+    if x.device.type == "cpu" and sys.byteorder == "little":
+        # The exponent from the two high bytes as uint8: a quarter of the int32 path's memory traffic.
+        high = x.view(torch.uint8).view(-1, 4)
+        per_exponent = torch.bincount((high[:, 3] << 1) | (high[:, 2] >> 7), minlength=256)
+    elif x.device.type == "cpu":
+        per_exponent = torch.bincount(((x.view(torch.int32) >> 23) & 0xFF).to(torch.uint8), minlength=256)
     else:
+        biased = (x.view(torch.int32) >> 23) & 0xFF
         per_exponent = torch.zeros(256, dtype=torch.int64, device=x.device)
         for chunk in biased.split(_CHUNK):
             per_exponent += torch.histc(chunk.float(), bins=256, min=-0.5, max=255.5).to(torch.int64)
