@@ -13,7 +13,8 @@
 # demo_long_metrics.json. The time boxes add up to 480 s (8 minutes) at most.
 #   1. the CUDA tests (pytest -m cuda): among them no host sync under
 #      torch.cuda.set_sync_debug_mode("error") on the fused path (tests/test_scaler.py) and through
-#      clip_grad_norm_ over runs with skipped steps (tests/test_clip.py);
+#      clip_grad_norm_ over runs with skipped steps (tests/test_clip.py); a step (scale, backward, fused
+#      AdamW, update) captured in a CUDA graph and replayed with skipped steps (tests/test_compile.py);
 #   2. fp16_emulation(policy="cuda") against real CUDA autocast: per op and per architecture
 #      (benchmarks/gpu_check.py);
 #   3. the clip table and the step overhead with absolute times (benchmarks/step_overhead.py);

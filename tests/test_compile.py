@@ -58,3 +58,73 @@ def test_the_collapse_check_still_fires_under_compile():
     with pytest.raises(LossScaleCollapseError):
         scaler, _, _ = _run(True, steps=5, inf_at=(2, 3, 4), max_consecutive_skips=3)
         scaler.stats()
+
+
+def _graph_model_and_batch(device: str):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).to(device)
+    return model, torch.randn(4, 8, device=device, generator=torch.Generator(device).manual_seed(1))
+
+
+def _graph_step(model, opt, scaler, x, poison):
+    """One step whose backward overflows when `poison` is huge (the forward value is unchanged)."""
+    opt.zero_grad(set_to_none=False)
+    with torch.autocast("cuda", dtype=torch.float16):
+        out = model(x)
+    out = out.float()
+    out = out + (out - out.detach()) * poison  # d(out) is multiplied by 1 + poison; the value is not
+    scaler.scale(out.pow(2).mean()).backward()
+    scaler.step(opt)
+    scaler.update()
+
+
+@pytest.mark.cuda
+def test_a_step_captures_in_a_cuda_graph_and_replays_with_skipped_steps():
+    """Scale, backward, fused AdamW's step and update captured once in a CUDA graph and replayed 8
+    times, the backward overflowing at replays 3 and 4: the scales and the counters follow an eager
+    run of the same steps exactly, the weights within an ulp or so. Bug caught: a host read or a
+    host-side decision in the step (capture fails: "operation not permitted when stream is
+    capturing"), or state that only Python advances (replays would not back off or count skips).
+    Written before any GPU was lent: `benchmarks/gpu_check.sh` runs it first (step 1)."""
+    device, overflow_at = "cuda", (3, 4)
+
+    def make():
+        model, x = _graph_model_and_batch(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=True)
+        scaler = DynamicLossScaler(init_scale=2.0**10, growth_interval=2, telemetry_interval=0)
+        return model, opt, scaler, x
+
+    model, opt, scaler, x = make()
+    poison = torch.zeros((), device=device)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (lazy state, kernels), as CUDA graph capture requires
+        for _ in range(2):
+            _graph_step(model, opt, scaler, x, poison)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _graph_step(model, opt, scaler, x, poison)
+    graph_scales = []
+    for i in range(8):
+        poison.fill_(1e38 if i in overflow_at else 0.0)
+        graph.replay()
+        graph_scales.append(scaler._scale.item())
+
+    # the same steps eagerly: the two warm-up steps, then the eight (capturing runs no kernel)
+    ref_model, ref_opt, ref, ref_x = make()
+    ref_poison = torch.zeros((), device=device)
+    for _ in range(2):
+        _graph_step(ref_model, ref_opt, ref, ref_x, ref_poison)
+    ref_scales = []
+    for i in range(8):
+        ref_poison.fill_(1e38 if i in overflow_at else 0.0)
+        _graph_step(ref_model, ref_opt, ref, ref_x, ref_poison)
+        ref_scales.append(ref._scale.item())
+    assert graph_scales == ref_scales and min(graph_scales) < max(graph_scales)
+    theirs, ours = ref.stats(), scaler.stats()
+    for key in ("loss_scale", "skipped_steps", "consecutive_skips"):
+        assert ours[key] == theirs[key], key
+    assert ours["skipped_steps"] == len(overflow_at)
+    for a, b in zip(model.parameters(), ref_model.parameters(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

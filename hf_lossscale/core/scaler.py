@@ -45,6 +45,13 @@ def _fresh_optimizer_state() -> dict[str, Any]:
 # (torch's optimizers that take `grad_scaler=`, type-checked training loops), and a drop-in must pass.
 # Nothing of torch's implementation runs: __init__ is not called and every method torch's class
 # defines is overridden here (tests/test_torch_gradscaler_contract.py holds that to the list).
+def _tracing_or_capturing() -> bool:
+    """Inside torch.compile's tracing, or a CUDA graph capture: no host work may run."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 class DynamicLossScaler(torch.amp.GradScaler):
     """Loss scaler with a floor, a ceiling, hysteresis, static and off modes, and skip counters.
 
@@ -843,10 +850,11 @@ class DynamicLossScaler(torch.amp.GradScaler):
             observer.before_step(self, optimizer, skipped)
 
     def _notify_update(self, rule_applied: bool) -> None:
-        if torch.compiler.is_compiling():
+        if _tracing_or_capturing():
             # The observers' host work (host copies read back, the collapse check, warnings) cannot be
-            # traced: under torch.compile it runs at the scaler's next eager call, once per update
-            # (a count, not a list: an int that changes is traced as a dynamic value, no recompile).
+            # traced, nor captured in a CUDA graph: it runs at the scaler's next eager call, once per
+            # update (a count, not a list: an int that changes is traced as a dynamic value, no
+            # recompile). A replayed graph runs no Python: its updates move the device state only.
             self._deferred_updates += 1
             return
         self._catch_up()
@@ -855,7 +863,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
 
     def _catch_up(self) -> None:
         """Run the observers' work for updates made inside a compiled region (see `_notify_update`)."""
-        if torch.compiler.is_compiling() or not self._deferred_updates:
+        if _tracing_or_capturing() or not self._deferred_updates:
             return
         pending, self._deferred_updates = self._deferred_updates, 0
         for _ in range(pending):
