@@ -314,3 +314,30 @@ def test_bf16_runs_only_on_request():
 
     assert make_parser().parse_args(["compare", "x.py"]).settings == "fp32,dynamic,static,off"
     assert "bf16" in SETTINGS and setting_flags("bf16", 2.0**24, "emulate")[0] == "--bf16"
+
+
+def test_plots_mark_the_skipped_steps(tmp_path, monkeypatch):
+    """A dynamic run that skipped step 3 gets an x on its eval-loss and gap curves at step 3, and the
+    titles say what the x means; a run that skipped nothing gets none. Bug caught: a curve that lags
+    FP32 after a skip with nothing on the picture saying why (newcomers read "dynamic scaling hurts")."""
+    import matplotlib.figure
+
+    from hf_lossscale.tools.plots import write_plots
+
+    saved = {}
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda fig, path, **kw: saved.__setitem__(Path(path).name, fig))  # fmt: skip
+    evals = lambda losses: [{"step": s, "eval_loss": v} for s, v in zip((3, 6, 9), losses)]  # noqa: E731
+    runs = [result("fp32", 0, 5.0, evals=evals([7.0, 6.0, 5.0])),
+            result("dynamic", 0, 5.1, evals=evals([8.0, 6.2, 5.1]), skipped_at=[3]),
+            result("off", 0, 5.2, evals=evals([7.1, 6.1, 5.2]))]  # fmt: skip
+    write_plots(runs, opts(seeds=(0,)), tmp_path)
+
+    def crosses(name):
+        ax = saved[name].axes[0]
+        return ax, [(list(line.get_xdata()), line.get_color()) for line in ax.lines if line.get_marker() == "x"]
+
+    for name in ("eval_loss.png", "gap.png"):
+        ax, marks = crosses(name)
+        assert marks == [([3], "tab:blue")], (name, marks)
+        assert "skipped step" in ax.get_title()
