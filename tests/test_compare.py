@@ -335,7 +335,9 @@ def test_plots_mark_the_skipped_steps(tmp_path, monkeypatch):
 
     def crosses(name):
         ax = saved[name].axes[0]
-        return ax, [(list(line.get_xdata()), line.get_color()) for line in ax.lines if line.get_marker() == "x"]
+        return ax, [
+            (list(line.get_xdata()), line.get_color()) for line in ax.lines if line.get_marker() == "x"
+        ]
 
     for name in ("eval_loss.png", "gap.png"):
         ax, marks = crosses(name)

@@ -154,7 +154,7 @@ def render(result: dict) -> str:
         f"### `{result['benchmark']}`: {result['what']}",
         "",
         f"`{result.get('run_command', result['command'])}` on {result['machine']}; the runs took "
-        f"{sum(r['wall_s'] for r in result['runs']) / 60:.0f} min in all. The `hf-lossscale compare` command it "
+        f"{sum(r['wall_s'] for r in result['runs'] if 'borrowed_from' not in r) / 60:.0f} min in all. The `hf-lossscale compare` command it "
         f"runs is in `results/{result['benchmark']}.json`.",
         "",
         f"| Setting | FP16 | seed | {shown} | "
