@@ -41,10 +41,6 @@ def _fresh_optimizer_state() -> dict[str, Any]:
     return {"stage": OptState.READY, "found_inf_per_device": {}}
 
 
-# Why a subclass of torch's GradScaler: code that takes "a GradScaler" checks it with isinstance
-# (torch's optimizers that take `grad_scaler=`, type-checked training loops), and a drop-in must pass.
-# Nothing of torch's implementation runs: __init__ is not called and every method torch's class
-# defines is overridden here (tests/test_torch_gradscaler_contract.py holds that to the list).
 def _tracing_or_capturing() -> bool:
     """Inside torch.compile's tracing, or a CUDA graph capture: no host work may run."""
     if torch.compiler.is_compiling():
@@ -52,6 +48,10 @@ def _tracing_or_capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
+# Why a subclass of torch's GradScaler: code that takes "a GradScaler" checks it with isinstance
+# (torch's optimizers that take `grad_scaler=`, type-checked training loops), and a drop-in must pass.
+# Nothing of torch's implementation runs: __init__ is not called and every method torch's class
+# defines is overridden here (tests/test_torch_gradscaler_contract.py holds that to the list).
 class DynamicLossScaler(torch.amp.GradScaler):
     """Loss scaler with a floor, a ceiling, hysteresis, static and off modes, and skip counters.
 
