@@ -151,3 +151,80 @@ def test_collapse_still_raised_through_the_observer(mode):
     scaler_step(scaler, model, opt, grad_inf=True)
     with pytest.raises(LossScaleCollapseError, match=r"3 optimizer steps in a row.*weight"):
         scaler_step(scaler, model, opt, grad_inf=True)
+
+
+PATTERN = [  # (loss NaN, gradient inf): clean, backward overflows, forward overflows, growth after a streak
+    (False, False), (False, True), (False, False), (True, False), (True, False), (False, False),
+    (False, True), (True, True), (False, False), (False, False), (False, False), (False, False),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("config", [dict(growth_interval=2), dict(growth_interval=2, hysteresis=2)])
+def test_host_known_and_device_decided_steps_move_the_state_alike(config):
+    """A non-fused optimizer's step reads the overflow flag on the host, and `update()` then runs the
+    rule's clean branch from constants; a fused one's step decides on the device and `update()` reads
+    the flags there. Over clean steps, backward and forward overflows and growths, the two paths
+    must leave identical states after every update. Bugs caught: a wrong constant in the clean
+    branch (a streak not ended, a step not counted, the growth tracker not advanced), the clean
+    branch taken after a non-finite loss, or a fast path the hysteresis config should not take."""
+    states = {}
+    for kind in ("sgd", "adamw_fused"):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2)
+        opt = (
+            torch.optim.SGD(model.parameters(), lr=0.0)
+            if kind == "sgd"
+            else torch.optim.AdamW(model.parameters(), lr=0.0, fused=True)
+        )
+        scaler = DynamicLossScaler(init_scale=2.0**8, max_consecutive_skips=None, **config)
+        states[kind] = []
+        for loss_nan, grad_inf in PATTERN:
+            scaler_step(scaler, model, opt, loss_nan=loss_nan, grad_inf=grad_inf)
+            states[kind].append(scaler.state.host_values())
+    assert states["sgd"] == states["adamw_fused"]
+    last = states["sgd"][-1]
+    assert (
+        last["total_steps"] == len(PATTERN)
+        and last["skipped_steps"] == 5
+        and last["nonfinite_loss_steps"] == 3
+    )
+    assert last["consecutive_skips"] == 0 and last["scale"] > 2.0**6  # it grew again after the skips
+
+
+def test_a_clean_run_copies_only_the_counters_to_the_host(monkeypatch):
+    """Per update the skip watch copies the five counters (one copy); the scale goes to the host for
+    the floor event only while it may sit at the floor: at the first update, after a skip, and while
+    the last copy read was at the floor. Bugs caught: the scale copied at every update (a device op
+    each step), or the floor watch never looking again after a skip (no floor event)."""
+    from hf_lossscale.core import scaler_observers
+
+    copies = []
+
+    class Recording(scaler_observers.HostCopy):
+        def __init__(self, tensor):
+            kind = "scale" if tensor.dim() == 0 else "counters" if tensor.dtype == torch.int64 else "names"
+            copies.append(kind)
+            super().__init__(tensor)
+
+    monkeypatch.setattr(scaler_observers, "HostCopy", Recording)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0, fused=True)
+    scaler = DynamicLossScaler(init_scale=4.0, min_scale=1.0, floor_event_steps=3, max_consecutive_skips=None)
+
+    def steps(n, **kw):
+        copies.clear()
+        for _ in range(n):
+            scaler_step(scaler, model, opt, **kw)
+        return list(copies)
+
+    assert steps(1) == ["counters", "scale"]  # the first update looks once
+    assert steps(10) == ["counters"] * 10
+    # a skip (4 -> 2): the scale is copied at that update, read above the floor, and not again
+    assert steps(1, grad_inf=True) == ["counters", "scale"]
+    assert steps(3) == ["names", "counters", "counters", "counters"]  # the step after a skip names
+    with pytest.warns(UserWarning, match="sat at its floor"):
+        # two skips reach the floor (2 -> 1 -> 1); from then on every update looks, until the event
+        skipped = steps(2, grad_inf=True)
+        at_floor = steps(2)
+    assert skipped.count("scale") == 2 and at_floor.count("scale") == 2
+    assert [e["event"] for e in scaler.drain_events()] == ["floor"]

@@ -44,7 +44,10 @@ def total_norm(
         for i, n in zip(indices, group_norms, strict=True):
             norms[i] = n
     first = grads[0].device
-    total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in in_order]), norm_type)
+    stacked = torch.stack([n.to(first) for n in in_order])
+    total = torch.linalg.vector_norm(stacked, norm_type)
+    if all(a is b for a, b in zip(in_order, norms, strict=True)):  # one group, in order: the same stack
+        return total, stacked
     return total, torch.stack([n.to(first) for n in norms])
 
 

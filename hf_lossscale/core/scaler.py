@@ -127,6 +127,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self._loss_probe: torch.Tensor | None = None
         self._ones: dict[torch.device, torch.Tensor] = {}  # a cached 1.0 per device (fused steps' divisor)
         self._indices: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # see _constants
+        self._clean: dict[torch.device, tuple[torch.Tensor, ...]] = {}  # see _clean_constants
         #: Device flags of the last update: its loss was non-finite / it backed the scale off.
         self.last_loss_nonfinite: torch.Tensor | None = None
         # the last update's backoff: a bool flag, or (fast rule) its float overflow flag, compared on request
@@ -421,7 +422,9 @@ class DynamicLossScaler(torch.amp.GradScaler):
             )
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        inv_scale = self._scale.double().reciprocal().float()
+        # one op: FP32's reciprocal is correctly rounded, so it equals torch's `.double().reciprocal()
+        # .float()` bitwise (rounding a correctly rounded FP64 quotient to FP32 is innocuous)
+        inv_scale = torch.reciprocal(self._scale)
         state["found_inf_per_device"] = self._unscale_grads_(optimizer, inv_scale)
         state["stage"] = OptState.UNSCALED
 
@@ -638,15 +641,23 @@ class DynamicLossScaler(torch.amp.GradScaler):
                     "non-finite norm anyway, set `error_if_nonfinite=False`"
                 )
             coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)  # torch's formula
+            # On an overflow (a non-finite norm) the step is skipped and the gradients keep their values
+            # (scaled); under at_min_scale="clamp", whose step clamps them, they are unscaled, not clipped.
+            clamping = self.config.at_min_scale == "clamp"
             if getattr(optimizer, "_step_supports_amp_scaling", False):
-                state["grad_scale"] = torch.where(found > 0, scale, scale / coef)
+                # nothing is written: the kernel skips on the flag, whatever the divisor (a caller who
+                # reads the gradients before step() gets them unscaled and clipped: see
+                # _apply_deferred_unscale; on an overflow then, or clamping, unscaled only)
+                state["grad_scale"] = (
+                    torch.where(found > 0, scale, scale / coef) if clamping else scale / coef
+                )
             else:
-                inv_scale = self._scale.double().reciprocal().float().to(device)
-                _mul_grads_(grouped, torch.where(found > 0, 1.0, coef * inv_scale), foreach)
-        if per_tensor is not None and (self.skip_watch is not None or self.observers):
-            nonfinite = per_tensor.mul(0).ne(0)  # x * 0 is NaN exactly when x is not finite: 2 ops, not 5
-            for observer in self._watchers():
-                observer.on_norms(self, optimizer, with_grad, nonfinite)
+                multiplier = coef / scale  # exact: a power-of-two scale divides without rounding
+                kept = torch.reciprocal(scale) if clamping else self._one(device)
+                _mul_grads_(grouped, torch.where(found > 0, kept, multiplier), foreach)
+        if per_tensor is not None and not _tracing_or_capturing():  # kept tensors mean nothing in a graph
+            for observer in self._watchers():  # a norm is non-finite exactly when its gradient is
+                observer.on_norms(self, optimizer, with_grad, per_tensor)
         state["found_inf_per_device"] = {device: found}
         state["stage"] = OptState.UNSCALED
         return norm
@@ -657,6 +668,9 @@ class DynamicLossScaler(torch.amp.GradScaler):
         grad_scale = state.pop("grad_scale", None)
         if grad_scale is not None:
             with torch.no_grad():
+                # an overflowing step's gradients are unscaled, not clipped (its divisor is inf or NaN)
+                found = self._found_inf(optimizer)
+                grad_scale = torch.where(found > 0, self._scale.to(grad_scale.device), grad_scale)
                 _mul_grads_(
                     self._grads_by_device_and_dtype(optimizer), grad_scale.double().reciprocal().float(), None
                 )
@@ -704,7 +718,11 @@ class DynamicLossScaler(torch.amp.GradScaler):
             )
         found_f = torch.stack(flags).amax() if len(flags) > 1 else flags[0]
         distributed = _world_size(self._found_inf_group) > 1
-        if probe is not None and not distributed:
+        if self._host_skipped is False and not distributed and self.config.at_min_scale != "clamp":
+            # The host read the flags (the non-fused path does): a clean step, and so a finite loss
+            # (the loss probe joined every check). The rule's clean branch with constants: no flags.
+            self._apply_clean_rule(found_f.device, probe is not None)
+        elif probe is not None and not distributed:
             # [skipped, loss non-finite, True] in two ops: the probe is 0 or NaN, and NaN != 0
             _, one = self._constants(found_f.device)
             bits = torch.stack([found_f, probe.to(found_f.dtype), one]).ne(0)
@@ -753,9 +771,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
         index, one = self._constants(found.device)
         if bits is None:
             bits = torch.stack([found, bad, one.bool()])
-        flags = bits.to(torch.int64)
-        factors = flags[index]
-        s.counters.mul_(factors[0]).add_(factors[1])
+        factors = bits[index]  # bool: multiplying and adding them into the int64 counters promotes
+        torch.addcmul(factors[1], s.counters, factors[0], out=s.counters)  # counters * K + A, one op
         s.replace("last_step_skipped", found)  # a fresh tensor each update: holders keep a snapshot
         self.last_loss_nonfinite = loss_bad
         self._backed_off = None
@@ -763,11 +780,13 @@ class DynamicLossScaler(torch.amp.GradScaler):
             return
         neutral = None if loss_bad is None or c.backoff_on_nonfinite_loss else loss_bad
         if self._torch_rule_applies():
-            # the backoff decision: a skip that is not a forward overflow (found and not neutral)
-            overflow = torch.sub(flags[0], flags[1], out=self._overflow_buffer()) if neutral is not None else (
+            # the backoff decision: a skip that is not a forward overflow (skipped > loss non-finite)
+            overflow = torch.gt(bits[0], bits[1], out=self._overflow_buffer()) if neutral is not None else (
                 found.to(torch.float32))  # fmt: skip
             if neutral is not None:  # a forward overflow neither advances nor resets the growth streak:
-                s["_growth_tracker"].sub_(flags[1])  # the kernel's +1 for a clean step brings it back
+                s["_growth_tracker"].add_(
+                    bits[1], alpha=-1
+                )  # the kernel's +1 for a clean step brings it back
             torch._amp_update_scale_(
                 s["scale"],
                 s["_growth_tracker"],
@@ -799,6 +818,40 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if c.hysteresis > 1:
             refill = grow | (~found) if c.consecutive_hysteresis else grow
             hyst.copy_(torch.where(overflow, hyst_after_overflow, torch.where(refill, c.hysteresis, hyst)))
+
+    def _apply_clean_rule(self, device: torch.device, loss_seen: bool) -> None:
+        """`_apply_rule` for a step the host knows was clean (and so its loss finite), from constants:
+        the counters' factors are fixed (streaks end, one more step) and torch's kernel reads a zero
+        flag. Three ops where the rule is torch's. Configs outside torch's rule take `_apply_rule`."""
+        c, s = self.config, self.state
+        false, zero, factors = self._clean_constants(device)
+        if c.mode == "dynamic" and not self._torch_rule_applies():
+            self._apply_rule(false, false if loss_seen else None)
+            return
+        torch.addcmul(factors[1], s.counters, factors[0], out=s.counters)
+        s.replace("last_step_skipped", false)  # constants nobody writes to
+        self.last_loss_nonfinite = false if loss_seen else None
+        self._backed_off = None
+        if c.mode != "dynamic":
+            return
+        torch._amp_update_scale_(
+            s["scale"], s["_growth_tracker"], zero, c.growth_factor, c.backoff_factor, c.growth_interval
+        )
+        s["scale"].clamp_(c.min_scale, c.max_scale)
+        self._backed_off = false
+
+    def _clean_constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A False, a 0.0 and the counters' factors for a clean step (K, A; see `_apply_rule`), on
+        `device` (made once)."""
+        found = self._clean.get(device)
+        if found is None:
+            factors = torch.tensor([[0, 0, 1, 1, 1], [0, 0, 1, 0, 0]], device=device)
+            found = self._clean[device] = (
+                torch.zeros((), dtype=torch.bool, device=device),
+                torch.zeros((), dtype=torch.float32, device=device),
+                factors,
+            )
+        return found
 
     def _constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """The counters' factor index and a 1.0, on `device` (made once)."""
@@ -975,6 +1028,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
+        self.__dict__.setdefault("_clean", {})  # a scaler pickled before the clean-step constants
 
     def __repr__(self) -> str:
         return f"DynamicLossScaler({self.config!r}, device={self.device})"

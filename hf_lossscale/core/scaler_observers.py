@@ -21,6 +21,7 @@ import torch
 
 from .hostcopy import HostCopy
 from .overflow import display_origin
+from .scaler_state import PACKED
 
 if TYPE_CHECKING:
     from .scaler import DynamicLossScaler
@@ -157,9 +158,10 @@ class ScalerObserver:
         scaler: DynamicLossScaler,
         optimizer: torch.optim.Optimizer,
         params: list[torch.Tensor],
-        nonfinite: torch.Tensor,
+        norms: torch.Tensor,
     ) -> None:
-        """`clip_grad_norm_` found, per parameter, whether its gradient is non-finite (device flags)."""
+        """`clip_grad_norm_` computed each parameter's gradient norm (a device vector, in `params`' order,
+        of the gradients as they were, scaled): a norm is inf/NaN exactly when its gradient holds one."""
 
     def before_step(
         self, scaler: DynamicLossScaler, optimizer: torch.optim.Optimizer, skipped: bool | None
@@ -187,59 +189,67 @@ class TelemetryWatch(ScalerObserver):
 
 
 class SkipWatch(ScalerObserver):
-    """Overflow names and the collapse check, from host copies that never make the step wait.
+    """Overflow names, the collapse check and the floor event, from host copies that never make the
+    step wait.
 
     Names are taken on every step the host knows to be skipped (the non-fused path, which reads the
-    flag anyway), from `clip_grad_norm_`'s per-parameter flags, and, with fused optimizers (which
-    decide in their kernel), on the steps after the first of a run of skips. The consecutive-skip
-    counter is copied at each update and read at the first later update where the copy has landed
-    (on the CPU: at once), so on CUDA the collapse fires at the update that reaches the limit or up
-    to one update later.
+    flag anyway); with fused optimizers (which decide in their kernel), for a step the counters' copy
+    shows skipped, from the per-parameter norms `clip_grad_norm_` computed for it (kept until then, no
+    device op), and on the steps after the first of a run of skips. The five counters are copied at
+    each update (one copy) and read at the first later update where the copy has landed (on the CPU:
+    at once), so on CUDA the collapse fires at the update that reaches the limit or up to one update
+    later. The scale is copied, for the floor event, only while it may sit at the floor: after a skip
+    and while the last copy read was at the floor. A clean run copies the counters and nothing else.
     """
 
     def __init__(self, names: ParameterNames) -> None:
         self.names = names
-        self.known_consecutive = 0  # the last value read from a host copy
-        self._copy: HostCopy | None = None
-        self._scale_copies: list[HostCopy] = []  # the scale after each update, for the floor event
+        self.known_consecutive = 0  # the last values read from a host copy of the counters
+        self.known_skipped = 0
+        self._copy: tuple[HostCopy, int] | None = None  # the counters' copy, and the iteration it closed
+        self._scale_copies: list[HostCopy] = []  # the scale after an update, for the floor event
+        self._floor_possible = True  # until a copy of the scale shows it above the floor
         self.steps_at_floor = 0
         self.collapse_warned = False
         #: Events for the run's event log (`floor`, `collapse_warning`), taken by `drain_events()`.
         self.events: list[dict] = []
         self._pending: list[tuple[HostCopy, torch.optim.Optimizer, list[torch.Tensor]]] = []
-        self._named_this_iteration: set[int] = set()
+        # clip_grad_norm_'s per-parameter norms of the last two iterations, by iteration
+        self._norms: dict[int, list[tuple[torch.optim.Optimizer, list[torch.Tensor], torch.Tensor]]] = {}
+        self._named: set[tuple[int, int]] = set()  # (iteration, id(optimizer)) already sent to the host
         self.overflow_params: list[str] = []
 
     # ---------------------------------------------------------------- naming
-    def on_norms(self, scaler, optimizer, params, nonfinite):
-        self._queue(optimizer, params, nonfinite)
+    def on_norms(self, scaler, optimizer, params, norms):
+        iteration = scaler.iteration
+        self._norms.setdefault(iteration, []).append((optimizer, params, norms))
+        for old in [k for k in self._norms if k < iteration - 1]:
+            del self._norms[old]
 
     def before_step(self, scaler, optimizer, skipped):
         if skipped is True or (skipped is None and self.known_consecutive > 0):
-            self._queue(optimizer)
+            self._queue(scaler.iteration, optimizer)
 
-    def _queue(
-        self,
-        optimizer: torch.optim.Optimizer,
-        params: list[torch.Tensor] | None = None,
-        nonfinite: torch.Tensor | None = None,
-    ) -> None:
-        """Send per-parameter non-finite flags to the host (computed here unless given: one read of
-        the gradients, only on steps known to be skipped), once per optimizer and iteration."""
-        if id(optimizer) in self._named_this_iteration:
+    def _queue(self, iteration: int, optimizer: torch.optim.Optimizer) -> None:
+        """Send the per-parameter norms of `iteration` to the host (non-finite exactly where a gradient
+        is; those `clip_grad_norm_` kept, else one read of the gradients now, only on steps known or
+        likely to be skipped), once per optimizer and iteration."""
+        if (iteration, id(optimizer)) in self._named:
             return
-        self._named_this_iteration.add(id(optimizer))
-        if params is None:
+        self._named.add((iteration, id(optimizer)))
+        kept = [(p, n) for o, p, n in self._norms.get(iteration, []) if o is optimizer]
+        if kept:
+            params, norms = kept[-1]
+        else:
             params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
-        if not params:
-            return
-        if nonfinite is None:  # the norms go to the host as they are; finiteness is read there
-            nonfinite = max_norms([local(p.grad) for p in params])
-        self._pending.append((HostCopy(nonfinite), optimizer, params))
+            if not params:
+                return
+            norms = max_norms([local(p.grad) for p in params])
+        self._pending.append((HostCopy(norms), optimizer, params))
         del self._pending[:-_MAX_PENDING_NAMES]
 
     def resolve(self) -> list[str]:
-        """Take in the flags that have reached the host; return the latest names."""
+        """Take in the norms that have reached the host; return the latest names."""
         while self._pending and self._pending[0][0].ready():
             copy, optimizer, params = self._pending.pop(0)
             flags = [
@@ -252,19 +262,21 @@ class SkipWatch(ScalerObserver):
 
     # ---------------------------------------------------------------- collapse
     def on_update(self, scaler, rule_applied):
-        self._named_this_iteration.clear()
         if not rule_applied:
+            self._floor_possible = True  # update(new_scale) may have set any scale
             return
-        self.resolve()
-        if self._copy is not None and self._copy.ready():
-            self.known_consecutive = self._copy.value()
+        closed = scaler.iteration - 1  # the iteration this update closed
+        if self._copy is not None and self._copy[0].ready():
+            self._read_counters(*self._copy)
             self._copy = None
         if self._copy is None:
-            copy = HostCopy(scaler.state["consecutive_skips"])
+            copy = HostCopy(scaler.state.counters)
             if copy.ready():
-                self.known_consecutive = copy.value()
+                self._read_counters(copy, closed)
             else:
-                self._copy = copy
+                self._copy = (copy, closed)
+        self._named = {key for key in self._named if key[0] >= closed}
+        self.resolve()
         self._watch_floor(scaler)
         limit = scaler.config.max_consecutive_skips
         if limit is not None and self.known_consecutive >= limit:
@@ -279,15 +291,31 @@ class SkipWatch(ScalerObserver):
         elif self.known_consecutive == 0:
             self.collapse_warned = False
 
+    def _read_counters(self, copy: HostCopy, iteration: int) -> None:
+        """Take in a landed copy of the counters after `iteration`'s update; a skip there sends the
+        norms `clip_grad_norm_` kept for it to the host (its names), and the floor may be near."""
+        values = dict(zip(PACKED, copy.value(), strict=True))
+        consecutive, skipped = values["consecutive_skips"], values["skipped_steps"]
+        if consecutive > 0 or skipped > self.known_skipped:
+            self._floor_possible = True
+        if consecutive > 0:
+            for optimizer, _, _ in self._norms.get(iteration, []):
+                self._queue(iteration, optimizer)
+        self.known_consecutive, self.known_skipped = consecutive, skipped
+
     def _watch_floor(self, scaler: DynamicLossScaler) -> None:
         """Count updates in a row that left the scale at `min_scale`, from host copies of the scale
-        (on CUDA read an update or so late, never waited for); an event at `floor_event_steps`."""
+        (on CUDA read an update or so late, never waited for; made only while the scale may be at
+        the floor, see the class); an event at `floor_event_steps`."""
         c = scaler.config
         if not c.floor_event_steps or c.mode != "dynamic":
             return
-        self._scale_copies.append(HostCopy(scaler.state["scale"]))
+        if self._floor_possible:
+            self._scale_copies.append(HostCopy(scaler.state["scale"]))
+        possible = self._floor_possible
         while self._scale_copies and self._scale_copies[0].ready():
             at_floor = self._scale_copies.pop(0).value() <= c.min_scale
+            possible = at_floor
             self.steps_at_floor = self.steps_at_floor + 1 if at_floor else 0
             if self.steps_at_floor == c.floor_event_steps:
                 message = (
@@ -301,6 +329,8 @@ class SkipWatch(ScalerObserver):
                     {"event": "floor", "steps_at_floor": self.steps_at_floor, "min_scale": c.min_scale}
                 )
                 warnings.warn(message, stacklevel=4)
+        # copies still in flight, or the last one read at the floor: keep copying
+        self._floor_possible = bool(self._scale_copies) or possible
         del self._scale_copies[:-_MAX_PENDING_NAMES]
 
     def drain_events(self) -> list[dict]:
@@ -310,10 +340,13 @@ class SkipWatch(ScalerObserver):
 
     def on_state_loaded(self, scaler):
         self.known_consecutive = scaler.state.host["consecutive_skips"]
+        self.known_skipped = scaler.state.host["skipped_steps"]
         self._copy = None  # a copy in flight belongs to the state replaced
         self._scale_copies = []
+        self._floor_possible = True
         self.steps_at_floor = 0
-        self._named_this_iteration.clear()
+        self._named.clear()
+        self._norms.clear()
 
     def _raise_collapse(self, scaler: DynamicLossScaler) -> None:
         origin = scaler.overflow_origin or {}
