@@ -159,8 +159,11 @@ PATTERN = [  # (loss NaN, gradient inf): clean, backward overflows, forward over
 ]  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
+)  # CUDA: the bool factors and the comparison written to a float flag go through its kernels
 @pytest.mark.parametrize("config", [dict(growth_interval=2), dict(growth_interval=2, hysteresis=2)])
-def test_host_known_and_device_decided_steps_move_the_state_alike(config):
+def test_host_known_and_device_decided_steps_move_the_state_alike(config, device):
     """A non-fused optimizer's step reads the overflow flag on the host, and `update()` then runs the
     rule's clean branch from constants; a fused one's step decides on the device and `update()` reads
     the flags there. Over clean steps, backward and forward overflows and growths, the two paths
@@ -170,7 +173,7 @@ def test_host_known_and_device_decided_steps_move_the_state_alike(config):
     states = {}
     for kind in ("sgd", "adamw_fused"):
         torch.manual_seed(0)
-        model = torch.nn.Linear(4, 2)
+        model = torch.nn.Linear(4, 2).to(device)
         opt = (
             torch.optim.SGD(model.parameters(), lr=0.0)
             if kind == "sgd"
@@ -179,7 +182,7 @@ def test_host_known_and_device_decided_steps_move_the_state_alike(config):
         scaler = DynamicLossScaler(init_scale=2.0**8, max_consecutive_skips=None, **config)
         states[kind] = []
         for loss_nan, grad_inf in PATTERN:
-            scaler_step(scaler, model, opt, loss_nan=loss_nan, grad_inf=grad_inf)
+            scaler_step(scaler, model, opt, loss_nan=loss_nan, grad_inf=grad_inf, device=device)
             states[kind].append(scaler.state.host_values())
     assert states["sgd"] == states["adamw_fused"]
     last = states["sgd"][-1]

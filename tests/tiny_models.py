@@ -35,13 +35,13 @@ def tiny_classification_dataset(n=64, seq=12, seed=0):
     return Dataset.from_dict({"input_ids": ids.tolist(), "labels": labels.tolist()})
 
 
-def scaler_step(scaler, model, opt, *, loss_nan=False, grad_inf=False):
+def scaler_step(scaler, model, opt, *, loss_nan=False, grad_inf=False, device="cpu"):
     """One scaled step of a `torch.nn.Linear(4, k)` on random inputs. `loss_nan` makes the loss NaN
     with finite gradients (a forward overflow); `grad_inf` puts an inf in a gradient while the loss
     stays finite (a backward overflow)."""
-    loss = model(torch.randn(3, 4)).pow(2).mean()
+    loss = model(torch.randn(3, 4, device=device)).pow(2).mean()
     if loss_nan:
-        loss = loss + torch.tensor(float("nan"))
+        loss = loss + torch.tensor(float("nan"), device=device)
     scaler.scale(loss).backward()
     if grad_inf:
         model.weight.grad[0, 0] = float("inf")
