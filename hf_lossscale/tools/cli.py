@@ -10,7 +10,7 @@
   would overflow in FP16 (activations above 65504, or a replayed FP16 forward), the margins in bits,
   the suggested `fp32_modules` and initial scale.
 - `hf-lossscale demo [options] [-- RECIPE_ARGS]`: the offline demo (`make demo`): MiniLM-L6 on real text
-  under FP32 and FP16 with and without scaling, three seeds, paired verdicts (`hf_lossscale.tools.demo`).
+  under FP32, FP16 with and without scaling and BF16, three seeds, paired verdicts (`hf_lossscale.tools.demo`).
 - `hf-lossscale precision --train_file F --model minilm llama`: FP16 and BF16 forwards against FP32 on
   the same weights: the next-token log-probability gap per token (RL's training-inference mismatch).
 """
@@ -84,7 +84,7 @@ def make_parser() -> argparse.ArgumentParser:
     from .demo import __doc__ as demo_doc
 
     # Listed for --help; `main` hands `demo ...` to the demo's own parser (it takes recipe flags after --).
-    commands.add_parser("demo", help="The offline demo: FP32 vs FP16 with and without scaling, paired verdicts.",
+    commands.add_parser("demo", help="The offline demo: FP32 vs FP16 with and without scaling (and BF16), paired verdicts.",
                         description=demo_doc, formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     return parser
 

