@@ -784,9 +784,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
             overflow = torch.gt(bits[0], bits[1], out=self._overflow_buffer()) if neutral is not None else (
                 found.to(torch.float32))  # fmt: skip
             if neutral is not None:  # a forward overflow neither advances nor resets the growth streak:
-                s["_growth_tracker"].add_(
-                    bits[1], alpha=-1
-                )  # the kernel's +1 for a clean step brings it back
+                # (the kernel's +1 for a clean step brings it back)
+                s["_growth_tracker"].add_(bits[1], alpha=-1)
             torch._amp_update_scale_(
                 s["scale"],
                 s["_growth_tracker"],
@@ -825,7 +824,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         flag. Three ops where the rule is torch's. Configs outside torch's rule take `_apply_rule`."""
         c, s = self.config, self.state
         false, zero, factors = self._clean_constants(device)
-        if c.mode == "dynamic" and not self._torch_rule_applies():
+        if c.mode == "dynamic" and not self._torch_rule_applies():  # the general rule, with the flags
             self._apply_rule(false, false if loss_seen else None)
             return
         torch.addcmul(factors[1], s.counters, factors[0], out=s.counters)
