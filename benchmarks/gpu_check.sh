@@ -7,10 +7,11 @@
 # It installs the carried wheels (transformers / accelerate at our pins, datasets, evaluate, dill,
 # multiprocess: `.whl/manifest.json`) into /tmp/site without dependencies, after checking that what
 # they need is on the machine; imports the project from the working tree; restores MiniLM-L6 to FP32
-# in /tmp. Then, each step time-boxed so a slow one cannot eat the rest, it writes into OUT_DIR
-# (8 files, the most that come back): summary.txt (everything printed), cuda_tests.txt,
-# gpu_check.json, step_overhead.json, demo_summary.md, demo_metrics.json, demo_long_summary.md,
-# demo_long_metrics.json. The time boxes add up to 480 s (8 minutes) at most.
+# in /tmp. Then, each step time-boxed so a slow one cannot eat the rest, it writes into OUT_DIR:
+# summary.txt (everything printed) and results.tar.gz (at most 8 files come back from the device
+# tool): cuda_tests.txt, gpu_check.json, step_overhead.json, demo_summary.md, demo_metrics.json,
+# demo_long_summary.md, demo_long_metrics.json, fp32_module_cost.json, op_count.json. The time
+# boxes add up to 570 s at most; measured runs are shorter.
 #   1. the CUDA tests (pytest -m cuda): among them no host sync under
 #      torch.cuda.set_sync_debug_mode("error") on the fused path (tests/test_scaler.py) and through
 #      clip_grad_norm_ over runs with skipped steps (tests/test_clip.py); a step (scale, backward, fused
@@ -20,7 +21,9 @@
 #   3. the clip table and the step overhead with absolute times (benchmarks/step_overhead.py);
 #   4. the demo comparison (FP32 / FP16 dynamic / static / off) with real CUDA FP16 on MiniLM-L6;
 #   5. the same at 400 optimizer steps instead of the demo's own horizon;
-#   6. what one module in FP32 (the forward-overflow remedy) costs on MiniLM-L6 (benchmarks/fp32_module_cost.py).
+#   6. what one module in FP32 (the forward-overflow remedy) costs on MiniLM-L6 (benchmarks/fp32_module_cost.py);
+#   7. ops per step on CUDA, and kernels and time per whole step on a small MLP (the launch-bound
+#      case), eager and captured in a CUDA graph, no scaler / torch / ours (benchmarks/op_count.py).
 # Without a GPU every CUDA step says "skipped: no GPU"; nothing is reported as passed that did not run.
 # GPU_CHECK_TIME_SCALE=N (default 1) multiplies every time box: for a slow or loaded machine that
 # runs the script for its logic (tests/test_benchmarks.py), never on the lent GPU machine.
@@ -114,10 +117,16 @@ if [ "$CUDA" = 1 ]; then
   # What one module in FP32 (the forward-overflow remedy) costs where FP32 runs without tensor cores.
   step "6. one module in FP32: memory and time on CUDA" 30 "$PY" benchmarks/fp32_module_cost.py --repeats 20 \
     --out "$OUT/fp32_module_cost.json" ${MINILM_PATH:+--model "$MINILM_PATH"}
+  step "7. ops, kernels and time per step on CUDA" 60 "$PY" benchmarks/op_count.py --device cuda \
+    --json "$OUT/op_count.json"
 else
   skip "1. CUDA tests"; skip "2. emulation vs CUDA autocast"; skip "3. clip table and step overhead"
   skip "4. demo with real CUDA FP16"; skip "5. demo, 400 steps (40x longer)"
-  skip "6. one module in FP32: memory and time on CUDA"
+  skip "6. one module in FP32: memory and time on CUDA"; skip "7. ops, kernels and time per step on CUDA"
 fi
-echo "== done in $SECONDS s: status $status; files in $OUT: $(ls "$OUT" | tr '\n' ' ') =="
+results=$(cd "$OUT" && ls | grep -v -e '^summary.txt$' -e '^results.tar.gz$')
+if [ -n "$results" ]; then
+  (cd "$OUT" && tar czf results.tar.gz $results && rm -f $results)
+fi
+echo "== done in $SECONDS s: status $status; in $OUT: summary.txt, results.tar.gz ($(echo $results | tr '\n' ' ')) =="
 exit $status

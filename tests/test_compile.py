@@ -66,7 +66,7 @@ def _graph_model_and_batch(device: str):
     return model, torch.randn(4, 8, device=device, generator=torch.Generator(device).manual_seed(1))
 
 
-def _graph_step(model, opt, scaler, x, poison):
+def _graph_step(model, opt, scaler, x, poison, clip=False):
     """One step whose backward overflows when `poison` is huge (the forward value is unchanged)."""
     opt.zero_grad(set_to_none=False)
     with torch.autocast("cuda", dtype=torch.float16):
@@ -74,14 +74,17 @@ def _graph_step(model, opt, scaler, x, poison):
     out = out.float()
     out = out + (out - out.detach()) * poison  # d(out) is multiplied by 1 + poison; the value is not
     scaler.scale(out.pow(2).mean()).backward()
+    if clip:
+        scaler.clip_grad_norm_(opt, 0.1)  # small enough to clip these gradients
     scaler.step(opt)
     scaler.update()
 
 
 @pytest.mark.cuda
-def test_a_step_captures_in_a_cuda_graph_and_replays_with_skipped_steps():
-    """Scale, backward, fused AdamW's step and update captured once in a CUDA graph and replayed 8
-    times, the backward overflowing at replays 3 and 4: the scales and the counters follow an eager
+@pytest.mark.parametrize("clip", [False, True], ids=["no_clip", "clip"])
+def test_a_step_captures_in_a_cuda_graph_and_replays_with_skipped_steps(clip):
+    """Scale, backward, (with `clip`, the one-pass clip), fused AdamW's step and update captured once
+    in a CUDA graph and replayed 8 times, the backward overflowing at replays 3 and 4: the scales and the counters follow an eager
     run of the same steps exactly, the weights within an ulp or so. Bug caught: a host read or a
     host-side decision in the step (capture fails: "operation not permitted when stream is
     capturing"), or state that only Python advances (replays would not back off or count skips).
@@ -100,11 +103,11 @@ def test_a_step_captures_in_a_cuda_graph_and_replays_with_skipped_steps():
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):  # warm-up (lazy state, kernels), as CUDA graph capture requires
         for _ in range(2):
-            _graph_step(model, opt, scaler, x, poison)
+            _graph_step(model, opt, scaler, x, poison, clip)
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        _graph_step(model, opt, scaler, x, poison)
+        _graph_step(model, opt, scaler, x, poison, clip)
     graph_scales = []
     for i in range(8):
         poison.fill_(1e38 if i in overflow_at else 0.0)
@@ -115,11 +118,11 @@ def test_a_step_captures_in_a_cuda_graph_and_replays_with_skipped_steps():
     ref_model, ref_opt, ref, ref_x = make()
     ref_poison = torch.zeros((), device=device)
     for _ in range(2):
-        _graph_step(ref_model, ref_opt, ref, ref_x, ref_poison)
+        _graph_step(ref_model, ref_opt, ref, ref_x, ref_poison, clip)
     ref_scales = []
     for i in range(8):
         ref_poison.fill_(1e38 if i in overflow_at else 0.0)
-        _graph_step(ref_model, ref_opt, ref, ref_x, ref_poison)
+        _graph_step(ref_model, ref_opt, ref, ref_x, ref_poison, clip)
         ref_scales.append(ref._scale.item())
     assert graph_scales == ref_scales and min(graph_scales) < max(graph_scales)
     theirs, ours = ref.stats(), scaler.stats()
