@@ -12,8 +12,8 @@ Model: a 20-layer MLP (64 wide), FP32 parameters, one batch per step. Rows:
 - clean step, fused AdamW, clip: torch `unscale_` + `clip_grad_norm_`, ours `clip_grad_norm_`;
 - clean step, foreach AdamW, no clip / clip: the same with the foreach optimizer (whose step reads
   the overflow flag on the host, with either scaler: one op, and our update then knows the step);
-- around a skipped step (fused without and with clip, foreach without): ops of the skipped step and
-  the step after it, minus two clean steps;
+- around a skipped step (fused and foreach, without and with clip): ops of the skipped step and the
+  step after it, minus two clean steps;
 - the variants (min/max scale, hysteresis, telemetry at every step) on the first row.
 
 And the first step of a run (lazy set-up) in milliseconds, at 20M parameters, median of 7 fresh
@@ -182,6 +182,10 @@ ROWS = [
     (
         "around a skipped step (beyond two clean steps), foreach, no clip",
         dict(optimizer="foreach", clip=False, skip=True),
+    ),
+    (
+        "around a skipped step (beyond two clean steps), foreach, clip",
+        dict(optimizer="foreach", clip=True, skip=True),
     ),
 ]
 

@@ -229,10 +229,11 @@ def test_op_count_table_is_exact():
         "clean step, foreach AdamW, clip": (18, 21),
         "around a skipped step (beyond two clean steps), fused, no clip": (0, 4),
         "around a skipped step (beyond two clean steps), fused, clip": (0, 3),
-        "around a skipped step (beyond two clean steps), foreach, no clip": (0, 10),
+        "around a skipped step (beyond two clean steps), foreach, no clip": (0, 8),
+        "around a skipped step (beyond two clean steps), foreach, clip": (0, 6),
     }
     for row, (torch_ops, ours) in got.items():  # issue 28: a clean step within 4 ops of torch's
-        assert row.startswith("around") or ours <= torch_ops + 4, row
+        assert ours <= torch_ops + (8 if row.startswith("around") else 4), row
     assert variants == {
         "ours, min/max scale": 13,
         "ours, hysteresis 2": 38,

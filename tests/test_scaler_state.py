@@ -162,14 +162,26 @@ PATTERN = [  # (loss NaN, gradient inf): clean, backward overflows, forward over
 @pytest.mark.parametrize(
     "device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)]
 )  # CUDA: the bool factors and the comparison written to a float flag go through its kernels
-@pytest.mark.parametrize("config", [dict(growth_interval=2), dict(growth_interval=2, hysteresis=2)])
+@pytest.mark.parametrize(
+    "config",
+    [
+        dict(growth_interval=2),
+        dict(growth_interval=2, hysteresis=2),
+        dict(growth_interval=2, backoff_on_nonfinite_loss=True),
+        dict(mode="static"),
+    ],
+    ids=["default", "hysteresis", "backoff_on_nonfinite_loss", "static"],
+)
 def test_host_known_and_device_decided_steps_move_the_state_alike(config, device):
     """A non-fused optimizer's step reads the overflow flag on the host, and `update()` then runs the
     rule's clean branch from constants; a fused one's step decides on the device and `update()` reads
     the flags there. Over clean steps, backward and forward overflows and growths, the two paths
-    must leave identical states after every update. Bugs caught: a wrong constant in the clean
-    branch (a streak not ended, a step not counted, the growth tracker not advanced), the clean
-    branch taken after a non-finite loss, or a fast path the hysteresis config should not take."""
+    must leave identical states after every update, and the same flags (the loss non-finite, the
+    scale backed off). Bugs caught: a wrong constant in the clean or the skip branch (a streak not
+    ended, a step not counted, a non-finite loss not counted, the growth tracker not advanced or
+    not kept over a forward overflow), the clean branch taken after a non-finite loss, a forward
+    overflow backing off (or, with backoff_on_nonfinite_loss, not), or a fast path the hysteresis
+    config should not take."""
     states = {}
     for kind in ("sgd", "adamw_fused"):
         torch.manual_seed(0)
@@ -183,15 +195,25 @@ def test_host_known_and_device_decided_steps_move_the_state_alike(config, device
         states[kind] = []
         for loss_nan, grad_inf in PATTERN:
             scaler_step(scaler, model, opt, loss_nan=loss_nan, grad_inf=grad_inf, device=device)
-            states[kind].append(scaler.state.host_values())
+            flags = [scaler.last_loss_nonfinite, scaler.last_backed_off]
+            states[kind].append((scaler.state.host_values(), [None if f is None else bool(f) for f in flags]))
     assert states["sgd"] == states["adamw_fused"]
-    last = states["sgd"][-1]
+    if config.get("mode") == "static":
+        return
+    # [loss non-finite, backed off] at a clean step, a backward overflow, a clean step, a forward overflow
+    backward = config.get("hysteresis", 1) == 1  # with a budget of two, the first overflow is absorbed
+    forward = bool(config.get("backoff_on_nonfinite_loss"))
+    expected = [[False, False], [False, backward], [False, False], [True, forward]]
+    assert [f for _, f in states["sgd"][:4]] == expected
+    last = states["sgd"][-1][0]
     assert (
         last["total_steps"] == len(PATTERN)
         and last["skipped_steps"] == 5
         and last["nonfinite_loss_steps"] == 3
     )
-    assert last["consecutive_skips"] == 0 and last["scale"] > 2.0**6  # it grew again after the skips
+    assert last["consecutive_skips"] == 0
+    if not forward:
+        assert last["scale"] > 2.0**6  # it grew again after the skips
 
 
 def test_a_clean_run_copies_only_the_counters_to_the_host(monkeypatch):

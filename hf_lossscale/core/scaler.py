@@ -128,6 +128,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self._ones: dict[torch.device, torch.Tensor] = {}  # a cached 1.0 per device (fused steps' divisor)
         self._indices: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # see _constants
         self._clean: dict[torch.device, tuple[torch.Tensor, ...]] = {}  # see _clean_constants
+        self._skip: dict[torch.device, tuple[torch.Tensor, ...]] = {}  # see _skip_constants
         #: Device flags of the last update: its loss was non-finite / it backed the scale off.
         self.last_loss_nonfinite: torch.Tensor | None = None
         # the last update's backoff: a bool flag, or (fast rule) its float overflow flag, compared on request
@@ -718,10 +719,16 @@ class DynamicLossScaler(torch.amp.GradScaler):
             )
         found_f = torch.stack(flags).amax() if len(flags) > 1 else flags[0]
         distributed = _world_size(self._found_inf_group) > 1
-        if self._host_skipped is False and not distributed and self.config.at_min_scale != "clamp":
-            # The host read the flags (the non-fused path does): a clean step, and so a finite loss
-            # (the loss probe joined every check). The rule's clean branch with constants: no flags.
-            self._apply_clean_rule(found_f.device, probe is not None)
+        fast_rule = self.config.mode != "dynamic" or self._torch_rule_applies()  # else the general one
+        host_known = self._host_skipped is not None and fast_rule
+        if host_known and not distributed and self.config.at_min_scale != "clamp":
+            # The host read the flags (the non-fused path does). A clean step, and so a finite loss
+            # (the loss probe joined every check): the rule's clean branch from constants, no flags.
+            # A skipped one: the skip branch, whose only device input is whether the loss was finite.
+            if self._host_skipped:
+                self._apply_skip_rule(found_f.device, probe)
+            else:
+                self._apply_clean_rule(found_f.device, probe is not None)
         elif probe is not None and not distributed:
             # [skipped, loss non-finite, True] in two ops: the probe is 0 or NaN, and NaN != 0
             _, one = self._constants(found_f.device)
@@ -821,12 +828,9 @@ class DynamicLossScaler(torch.amp.GradScaler):
     def _apply_clean_rule(self, device: torch.device, loss_seen: bool) -> None:
         """`_apply_rule` for a step the host knows was clean (and so its loss finite), from constants:
         the counters' factors are fixed (streaks end, one more step) and torch's kernel reads a zero
-        flag. Three ops where the rule is torch's. Configs outside torch's rule take `_apply_rule`."""
+        flag. Three ops (static mode: one). Only configs whose rule is torch's come here."""
         c, s = self.config, self.state
         false, zero, factors = self._clean_constants(device)
-        if c.mode == "dynamic" and not self._torch_rule_applies():  # the general rule, with the flags
-            self._apply_rule(false, false if loss_seen else None)
-            return
         torch.addcmul(factors[1], s.counters, factors[0], out=s.counters)
         s.replace("last_step_skipped", false)  # constants nobody writes to
         self.last_loss_nonfinite = false if loss_seen else None
@@ -839,6 +843,45 @@ class DynamicLossScaler(torch.amp.GradScaler):
         s["scale"].clamp_(c.min_scale, c.max_scale)
         self._backed_off = false
 
+    def _apply_skip_rule(self, device: torch.device, probe: torch.Tensor | None) -> None:
+        """`_apply_rule` for a step the host knows was skipped, where the rule is torch's: the skip is
+        known, whether the loss was non-finite is not (the probe: 0, or NaN). The counters' factors
+        are one of two constant pairs, picked by that flag (K, A for [1, b, 1]: see `_apply_rule`);
+        torch's kernel reads the backoff flag: 1 unless the loss was non-finite and the rule leaves
+        such a skip neutral. Seven ops with a probe (the general branch: eight), three without."""
+        c, s = self.config, self.state
+        true, one, ok, bad = self._skip_constants(device)
+        loss_bad = None if probe is None else probe.ne(0)
+        factors = ok if loss_bad is None else torch.where(loss_bad, bad, ok)
+        torch.addcmul(factors[1], s.counters, factors[0], out=s.counters)
+        s.replace("last_step_skipped", true)
+        self.last_loss_nonfinite = loss_bad
+        self._backed_off = None
+        if c.mode != "dynamic":
+            return
+        overflow = one
+        if loss_bad is not None and not c.backoff_on_nonfinite_loss:  # a forward overflow is neutral
+            overflow = torch.eq(loss_bad, False, out=self._overflow_buffer())
+            s["_growth_tracker"].add_(loss_bad, alpha=-1)  # (the kernel's +1 for "no overflow" undone)
+        torch._amp_update_scale_(
+            s["scale"], s["_growth_tracker"], overflow, c.growth_factor, c.backoff_factor, c.growth_interval
+        )
+        s["scale"].clamp_(c.min_scale, c.max_scale)
+        self._backed_off = overflow
+
+    def _skip_constants(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        """A True, a 1.0 and the counters' factors (K, A) for a skip with a finite loss and for one with
+        a non-finite loss, on `device` (made once, with the clean-step constants)."""
+        found = self._skip.get(device)
+        if found is None:
+            found = self._skip[device] = (
+                torch.ones((), dtype=torch.bool, device=device),
+                torch.ones((), dtype=torch.float32, device=device),
+                torch.tensor([[1, 0, 1, 1, 1], [1, 0, 1, 1, 0]], device=device),
+                torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 1]], device=device),
+            )
+        return found
+
     def _clean_constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """A False, a 0.0 and the counters' factors for a clean step (K, A; see `_apply_rule`), on
         `device` (made once)."""
@@ -850,6 +893,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
                 torch.zeros((), dtype=torch.float32, device=device),
                 factors,
             )
+            self._skip_constants(device)  # made with them: a skip's ops are then the skip's alone
         return found
 
     def _constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
@@ -1028,6 +1072,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.__dict__.setdefault("_clean", {})  # a scaler pickled before the clean-step constants
+        self.__dict__.setdefault("_skip", {})  # or the skip constants
 
     def __repr__(self) -> str:
         return f"DynamicLossScaler({self.config!r}, device={self.device})"
