@@ -227,13 +227,13 @@ def test_op_count_table_is_exact():
         "clean step, fused AdamW, clip": (18, 21),
         "clean step, foreach AdamW, no clip": (10, 10),
         "clean step, foreach AdamW, clip": (18, 21),
-        "around a skipped step (beyond two clean steps), fused, no clip": (0, 4),
-        "around a skipped step (beyond two clean steps), fused, clip": (0, 3),
-        "around a skipped step (beyond two clean steps), foreach, no clip": (0, 8),
-        "around a skipped step (beyond two clean steps), foreach, clip": (0, 6),
+        "around a skipped step (beyond two clean steps), fused, no clip": (0, 3),
+        "around a skipped step (beyond two clean steps), fused, clip": (0, 2),
+        "around a skipped step (beyond two clean steps), foreach, no clip": (0, 7),
+        "around a skipped step (beyond two clean steps), foreach, clip": (0, 5),
     }
     for row, (torch_ops, ours) in got.items():  # issue 28: a clean step within 4 ops of torch's
-        assert ours <= torch_ops + (8 if row.startswith("around") else 4), row
+        assert ours <= torch_ops + (7 if row.startswith("around") else 4), row
     assert variants == {
         "ours, min/max scale": 12,
         "ours, hysteresis 2": 37,

@@ -218,9 +218,10 @@ def test_host_known_and_device_decided_steps_move_the_state_alike(config, device
 
 def test_a_clean_run_copies_only_the_counters_to_the_host(monkeypatch):
     """Per update the skip watch copies the five counters (one copy); the scale goes to the host for
-    the floor event only while it may sit at the floor: at the first update, after a skip, and while
-    the last copy read was at the floor. Bugs caught: the scale copied at every update (a device op
-    each step), or the floor watch never looking again after a skip (no floor event)."""
+    the floor event only while it may sit at the floor: at the first update, and while the host's
+    lower bound (the last scale read, halved per skip since) reaches `min_scale`. Bugs caught: the
+    scale copied at every update (a device op each step) or after every skip, a bound that ignores a
+    skip (the floor reached unseen: no floor event), or the floor watch never looking again."""
     from hf_lossscale.core import scaler_observers
 
     copies = []
@@ -234,7 +235,7 @@ def test_a_clean_run_copies_only_the_counters_to_the_host(monkeypatch):
     monkeypatch.setattr(scaler_observers, "HostCopy", Recording)
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.AdamW(model.parameters(), lr=0.0, fused=True)
-    scaler = DynamicLossScaler(init_scale=4.0, min_scale=1.0, floor_event_steps=3, max_consecutive_skips=None)
+    scaler = DynamicLossScaler(init_scale=8.0, min_scale=1.0, floor_event_steps=3, max_consecutive_skips=None)
 
     def steps(n, **kw):
         copies.clear()
@@ -242,17 +243,67 @@ def test_a_clean_run_copies_only_the_counters_to_the_host(monkeypatch):
             scaler_step(scaler, model, opt, **kw)
         return list(copies)
 
-    assert steps(1) == ["counters", "scale"]  # the first update looks once
+    assert steps(1) == ["counters", "scale"]  # the first update looks once: 8
     assert steps(10) == ["counters"] * 10
-    # a skip (4 -> 2): the scale is copied at that update, read above the floor, and not again
-    assert steps(1, grad_inf=True) == ["counters", "scale"]
-    assert steps(3) == ["names", "counters", "counters", "counters"]  # the step after a skip names
+    # two skips (8 -> 4 -> 2): the bound (8 / 2, then 8 / 4) stays above the floor: no scale copy
+    assert steps(1, grad_inf=True) == ["counters"]
+    assert steps(1, grad_inf=True) == ["names", "counters"]  # the step after a skip names
+    assert steps(3) == ["names", "counters", "counters", "counters"]
     with pytest.warns(UserWarning, match="sat at its floor"):
-        # two skips reach the floor (2 -> 1 -> 1); from then on every update looks, until the event
-        skipped = steps(2, grad_inf=True)
-        at_floor = steps(2)
-    assert skipped.count("scale") == 2 and at_floor.count("scale") == 2
+        # the third skip (2 -> 1) brings the bound to the floor: every update looks until the event
+        skipped = steps(1, grad_inf=True)
+        at_floor = steps(3)
+    assert skipped.count("scale") == 1 and at_floor.count("scale") == 3
     assert [e["event"] for e in scaler.drain_events()] == ["floor"]
+    # update(new_scale) makes the scale unknown: the next update looks once, then the bound holds
+    scaler.update(new_scale=64.0)
+    assert steps(2) == ["counters", "scale", "counters"]
+
+
+def test_the_floor_event_with_copies_that_land_late(monkeypatch):
+    """On CUDA a host copy lands an update or so after it was made. Simulated: every copy is ready
+    only at the update after the next. The floor is still seen (the bound counts each update whose
+    counters are not read yet as a possible skip), the event fires once, and a run far above the
+    floor copies only the counters. Bugs caught: a bound that trusts a stale skip count (a floor
+    reached between two reads goes unseen), or one that never relaxes (the scale copied at every
+    update for good)."""
+    from hf_lossscale.core import scaler_observers
+
+    updates = [0]
+    copies = []
+
+    class Late(scaler_observers.HostCopy):
+        def __init__(self, tensor):
+            super().__init__(tensor)
+            self.lands = updates[0] + 2
+            copies.append("scale" if tensor.dim() == 0 else "other")
+
+        def ready(self):
+            return updates[0] >= self.lands
+
+    monkeypatch.setattr(scaler_observers, "HostCopy", Late)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.0, fused=True)
+    scaler = DynamicLossScaler(init_scale=2.0**10, min_scale=1.0, floor_event_steps=4, max_consecutive_skips=None)
+
+    def step(**kw):
+        scaler_step(scaler, model, opt, **kw)
+        updates[0] += 1
+
+    for _ in range(20):  # far above the floor: after the first looks, only the counters
+        step()
+    copies.clear()
+    for _ in range(10):
+        step()
+    assert "scale" not in copies
+    with pytest.warns(UserWarning, match="sat at its floor"):
+        for _ in range(10):  # 2^10 -> 1 in ten skips
+            step(grad_inf=True)
+        for _ in range(6):
+            step()
+    assert [e["event"] for e in scaler.drain_events()] == ["floor"]
+    # at the floor from the tenth skip on: 7 updates, of which the last two copies are in flight
+    assert scaler.skip_watch.steps_at_floor == 5
 
 
 @pytest.mark.parametrize("kind", ["sgd", "adamw_fused"])

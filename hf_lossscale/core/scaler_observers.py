@@ -24,6 +24,7 @@ from .overflow import display_origin
 from .scaler_state import PACKED
 
 if TYPE_CHECKING:
+    from .config import LossScaleConfig
     from .scaler import DynamicLossScaler
 
 __all__ = [
@@ -198,8 +199,10 @@ class SkipWatch(ScalerObserver):
     device op), and on the steps after the first of a run of skips. The five counters are copied at
     each update (one copy) and read at the first later update where the copy has landed (on the CPU:
     at once), so on CUDA the collapse fires at the update that reaches the limit or up to one update
-    later. The scale is copied, for the floor event, only while it may sit at the floor: after a skip
-    and while the last copy read was at the floor. A clean run copies the counters and nothing else.
+    later. The scale is copied, for the floor event, only while it may sit at the floor: at the first
+    update, and then while a lower bound the host keeps without copies (the last scale read, backed
+    off once per skip since) reaches the floor. A clean run copies the counters and nothing else, and
+    so does a skip far above the floor.
     """
 
     def __init__(self, names: ParameterNames) -> None:
@@ -207,8 +210,12 @@ class SkipWatch(ScalerObserver):
         self.known_consecutive = 0  # the last values read from a host copy of the counters
         self.known_skipped = 0
         self._copy: tuple[HostCopy, int] | None = None  # the counters' copy, and the iteration it closed
-        self._scale_copies: list[HostCopy] = []  # the scale after an update, for the floor event
-        self._floor_possible = True  # until a copy of the scale shows it above the floor
+        # the scale after an update (None: known above the floor), and that update's iteration
+        self._scale_copies: list[tuple[HostCopy | None, int]] = []
+        # a scale read on the host and the skips counted up to its update (None: unknown, so the floor
+        # is possible), and the counters' reads: (iteration, skipped_steps); see _floor_possible
+        self._scale_ref: tuple[float, int] | None = None
+        self._skipped_reads: list[tuple[int, int]] = [(-1, 0)]
         self.steps_at_floor = 0
         self.collapse_warned = False
         #: Events for the run's event log (`floor`, `collapse_warning`), taken by `drain_events()`.
@@ -263,7 +270,7 @@ class SkipWatch(ScalerObserver):
     # ---------------------------------------------------------------- collapse
     def on_update(self, scaler, rule_applied):
         if not rule_applied:
-            self._floor_possible = True  # update(new_scale) may have set any scale
+            self._scale_ref = None  # update(new_scale) may have set any scale
             return
         closed = scaler.iteration - 1  # the iteration this update closed
         if self._copy is not None and self._copy[0].ready():
@@ -293,15 +300,37 @@ class SkipWatch(ScalerObserver):
 
     def _read_counters(self, copy: HostCopy, iteration: int) -> None:
         """Take in a landed copy of the counters after `iteration`'s update; a skip there sends the
-        norms `clip_grad_norm_` kept for it to the host (its names), and the floor may be near."""
+        norms `clip_grad_norm_` kept for it to the host (its names), and its skip count bounds the
+        scale from below (`_floor_possible`)."""
         values = dict(zip(PACKED, copy.value(), strict=True))
         consecutive, skipped = values["consecutive_skips"], values["skipped_steps"]
-        if consecutive > 0 or skipped > self.known_skipped:
-            self._floor_possible = True
+        self._skipped_reads.append((iteration, skipped))
+        del self._skipped_reads[: -4 * _MAX_PENDING_NAMES]
         if consecutive > 0:
             for optimizer, _, _ in self._norms.get(iteration, []):
                 self._queue(iteration, optimizer)
         self.known_consecutive, self.known_skipped = consecutive, skipped
+
+    def _floor_possible(self, closed: int, config: LossScaleConfig) -> bool:
+        """Whether the scale may sit at `min_scale` after the update that closed iteration `closed`,
+        from a lower bound the host has without a copy: the last scale it read, backed off once for
+        every skip the counters have shown since, and once for every update whose counters it has
+        not read yet (an update backs off at most once, and only on a skip; growth only raises the
+        scale). Unknown (no scale read yet, or `update(new_scale)` / a loaded state since): possible."""
+        if self._scale_ref is None:
+            return True
+        value, skipped = self._scale_ref
+        read_at, read_skipped = self._skipped_reads[-1]
+        backoffs = read_skipped - skipped + max(0, closed - read_at)
+        bound = value * config.backoff_factor**backoffs
+        return bound <= config.min_scale * (1 + 1e-6)  # the device rounds the product to FP32
+
+    def _rebase(self, value: float, iteration: int) -> None:
+        """A scale read on the host, after the update that closed `iteration`: the bound's new start,
+        with the skips counted by the latest counters read at or before that update."""
+        earlier = [skipped for at, skipped in self._skipped_reads if at <= iteration]
+        if earlier:
+            self._scale_ref = (value, earlier[-1])
 
     def _watch_floor(self, scaler: DynamicLossScaler) -> None:
         """Count updates in a row that left the scale at `min_scale`, from host copies of the scale
@@ -310,12 +339,21 @@ class SkipWatch(ScalerObserver):
         c = scaler.config
         if not c.floor_event_steps or c.mode != "dynamic":
             return
-        if self._floor_possible:
-            self._scale_copies.append(HostCopy(scaler.state["scale"]))
-        possible = self._floor_possible
-        while self._scale_copies and self._scale_copies[0].ready():
-            at_floor = self._scale_copies.pop(0).value() <= c.min_scale
-            possible = at_floor
+        closed = scaler.iteration - 1
+        if self._floor_possible(closed, c):
+            self._scale_copies.append((HostCopy(scaler.state["scale"]), closed))
+        elif self._scale_copies:  # above the floor for sure: ends the run at the floor, in order
+            self._scale_copies.append((None, closed))
+        else:
+            self.steps_at_floor = 0
+        while self._scale_copies and (self._scale_copies[0][0] is None or self._scale_copies[0][0].ready()):
+            copy, at = self._scale_copies.pop(0)
+            if copy is None:
+                self.steps_at_floor = 0
+                continue
+            value = copy.value()
+            self._rebase(value, at)
+            at_floor = value <= c.min_scale
             self.steps_at_floor = self.steps_at_floor + 1 if at_floor else 0
             if self.steps_at_floor == c.floor_event_steps:
                 message = (
@@ -329,8 +367,6 @@ class SkipWatch(ScalerObserver):
                     {"event": "floor", "steps_at_floor": self.steps_at_floor, "min_scale": c.min_scale}
                 )
                 warnings.warn(message, stacklevel=4)
-        # copies still in flight, or the last one read at the floor: keep copying
-        self._floor_possible = bool(self._scale_copies) or possible
         del self._scale_copies[:-_MAX_PENDING_NAMES]
 
     def drain_events(self) -> list[dict]:
@@ -343,7 +379,8 @@ class SkipWatch(ScalerObserver):
         self.known_skipped = scaler.state.host["skipped_steps"]
         self._copy = None  # a copy in flight belongs to the state replaced
         self._scale_copies = []
-        self._floor_possible = True
+        self._scale_ref = None
+        self._skipped_reads = [(scaler.iteration - 1, self.known_skipped)]
         self.steps_at_floor = 0
         self._named.clear()
         self._norms.clear()
