@@ -125,8 +125,10 @@ else
   skip "6. one module in FP32: memory and time on CUDA"; skip "7. ops, kernels and time per step on CUDA"
 fi
 results=$(cd "$OUT" && ls | grep -v -e '^summary.txt$' -e '^results.tar.gz$')
+packed="nothing else"
 if [ -n "$results" ]; then
   (cd "$OUT" && tar czf results.tar.gz $results && rm -f $results)
+  packed="results.tar.gz ($(echo $results | tr '\n' ' '))"
 fi
-echo "== done in $SECONDS s: status $status; in $OUT: summary.txt, results.tar.gz ($(echo $results | tr '\n' ' ')) =="
+echo "== done in $SECONDS s: status $status; in $OUT: summary.txt, $packed =="
 exit $status
