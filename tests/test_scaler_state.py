@@ -284,7 +284,9 @@ def test_the_floor_event_with_copies_that_land_late(monkeypatch):
     monkeypatch.setattr(scaler_observers, "HostCopy", Late)
     model = torch.nn.Linear(4, 2)
     opt = torch.optim.AdamW(model.parameters(), lr=0.0, fused=True)
-    scaler = DynamicLossScaler(init_scale=2.0**10, min_scale=1.0, floor_event_steps=4, max_consecutive_skips=None)
+    scaler = DynamicLossScaler(
+        init_scale=2.0**10, min_scale=1.0, floor_event_steps=4, max_consecutive_skips=None
+    )
 
     def step(**kw):
         scaler_step(scaler, model, opt, **kw)
@@ -335,6 +337,13 @@ def test_every_loss_of_an_iteration_joins_the_probe(kind):
         scaler.update()
         opt.zero_grad()
         seen.append((bool(scaler.last_loss_nonfinite), scaler.get_scale()))
-    assert seen == [(False, 256.0), (True, 256.0), (True, 256.0), (False, 256.0), (True, 256.0), (False, 256.0)]
+    assert seen == [
+        (False, 256.0),
+        (True, 256.0),
+        (True, 256.0),
+        (False, 256.0),
+        (True, 256.0),
+        (False, 256.0),
+    ]
     counters = scaler.state.host_values()
     assert counters["skipped_steps"] == 3 and counters["nonfinite_loss_steps"] == 3

@@ -308,7 +308,7 @@ def config_key(command: str, root: str | None = None) -> str:
             continue
         skip = w in ("--seeds", "--output_dir", "--settings")
         if not skip and w != "--reuse_finished":
-            out.append(w[len(prefix):] if w.startswith(prefix) else w)
+            out.append(w[len(prefix) :] if w.startswith(prefix) else w)
     return shlex.join(out)
 
 
