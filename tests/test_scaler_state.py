@@ -174,7 +174,7 @@ PATTERN = [  # (loss NaN, gradient inf): clean, backward overflows, forward over
 )
 def test_host_known_and_device_decided_steps_move_the_state_alike(config, device):
     """A non-fused optimizer's step reads the overflow flag on the host, and `update()` then runs the
-    rule's clean branch from constants; a fused one's step decides on the device and `update()` reads
+    rule's clean or skip branch from constants; a fused one's step decides on the device and `update()` reads
     the flags there. Over clean steps, backward and forward overflows and growths, the two paths
     must leave identical states after every update, and the same flags (the loss non-finite, the
     scale backed off). Bugs caught: a wrong constant in the clean or the skip branch (a streak not

@@ -14,7 +14,7 @@ import math
 import warnings
 from collections import abc, defaultdict
 from collections.abc import Iterable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch.amp.grad_scaler import OptState  # torch's stages: third-party code compares against them
@@ -46,6 +46,23 @@ def _tracing_or_capturing() -> bool:
     if torch.compiler.is_compiling():
         return True
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+class _RuleConstants(NamedTuple):
+    """The scaler's device constants (`DynamicLossScaler._constants`): a 1.0 (`_one`) and the update
+    rule's. The counters' factors are
+    [K, A] rows (counters * K + A, see `_apply_rule`): `index` picks them from the flags [skipped,
+    loss non-finite, True]; `clean`, `skip_ok` and `skip_bad` are them for a step the host knows was
+    clean, skipped with a finite loss, skipped with a non-finite one."""
+
+    index: torch.Tensor
+    one: torch.Tensor
+    false: torch.Tensor
+    true: torch.Tensor
+    zero: torch.Tensor
+    clean: torch.Tensor
+    skip_ok: torch.Tensor
+    skip_bad: torch.Tensor
 
 
 # Why a subclass of torch's GradScaler: code that takes "a GradScaler" checks it with isinstance
@@ -125,10 +142,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         # 0 when all were finite, NaN otherwise (inf * 0 is NaN); None when none was seen. The overflow
         # check reads it together with the gradients, in the same kernel call.
         self._loss_probe: torch.Tensor | None = None
-        self._ones: dict[torch.device, torch.Tensor] = {}  # a cached 1.0 per device (fused steps' divisor)
-        self._indices: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}  # see _constants
-        self._clean: dict[torch.device, tuple[torch.Tensor, ...]] = {}  # see _clean_constants
-        self._skip: dict[torch.device, tuple[torch.Tensor, ...]] = {}  # see _skip_constants
+        self._rule_constants: dict[torch.device, _RuleConstants] = {}  # see _constants
         self._flags: dict[torch.device, tuple[torch.Tensor, ...]] = {}  # see _flag_views
         self._found_taken = False  # whether this iteration's check used the flags buffer (_new_found)
         #: Device flags of the last update: its loss was non-finite / it backed the scale off.
@@ -300,13 +314,13 @@ class DynamicLossScaler(torch.amp.GradScaler):
         the gradients' overflow check reads it in the same kernel call (see `_unscale_grads_`). A
         1-element loss on the scale's device writes it into the flags buffer (`_flag_views`)."""
         loss = loss.detach()
-        views = self._flag_views(self._scale.device) if loss.device == self._scale.device else None
-        if views is not None and loss.numel() == 1:
+        if loss.device == self._scale.device and loss.numel() == 1:
+            _, _, in_buffer = self._flag_views(loss.device)
             if self._loss_probe is None:  # the iteration's first loss
-                torch.mul(loss.reshape(()), 0, out=views[2])
-                self._loss_probe = views[2]
+                torch.mul(loss.reshape(()), 0, out=in_buffer)
+                self._loss_probe = in_buffer
                 return
-            if self._loss_probe is views[2]:  # more losses (accumulation): added in place, still one op
+            if self._loss_probe is in_buffer:  # more losses (accumulation): added in place, still one op
                 self._loss_probe.add_(loss.reshape(()), alpha=0)
                 return
         probe = loss.mul(0)
@@ -350,10 +364,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
         return self._backed_off
 
     def _one(self, device: torch.device) -> torch.Tensor:
-        one = self._ones.get(device)
-        if one is None:
-            one = self._ones[device] = torch.ones((), dtype=torch.float32, device=device)
-        return one
+        """A 1.0 on `device` (a fused step's divisor, the check's unit scale), made once."""
+        return self._constants(device).one
 
     # ------------------------------------------------------------------ unscale / check
     def _grads_by_device_and_dtype(self, optimizer: torch.optim.Optimizer, allow_fp16: bool = False):
@@ -753,10 +765,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
             # The host read the flags (the non-fused path does). A clean step, and so a finite loss
             # (the loss probe joined every check): the rule's clean branch from constants, no flags.
             # A skipped one: the skip branch, whose only device input is whether the loss was finite.
-            if self._host_skipped:
-                self._apply_skip_rule(found_f.device, probe)
-            else:
-                self._apply_clean_rule(found_f.device, probe is not None)
+            self._apply_known_rule(found_f.device, self._host_skipped, probe)
         elif probe is not None and not distributed:
             # [skipped, loss non-finite, True]: the probe is 0 or NaN, and NaN != 0. One op where the
             # flag and the probe sit in the flags buffer (the usual case), else two (a stack)
@@ -764,8 +773,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
             if found_f is found_view and probe is probe_view:
                 bits = buffer.ne(0)
             else:
-                _, one = self._constants(found_f.device)
-                bits = torch.stack([found_f, probe.to(found_f.dtype), one]).ne(0)
+                bits = torch.stack([found_f, probe.to(found_f.dtype), self._one(found_f.device)]).ne(0)
             self._apply_rule(bits[0], bits[1], bits)
         else:
             loss_bad = None if probe is None else probe.ne(0)
@@ -808,10 +816,10 @@ class DynamicLossScaler(torch.amp.GradScaler):
         bad = loss_bad if loss_bad is not None else torch.zeros_like(found)
         # flags = [skipped, loss non-finite, 1]; K = flags[[0, 1, 2, 2, 2]], A = flags[[0, 1, 2, 0, 1]]:
         # consecutive = (consecutive + 1) * flag, total += 1, skipped += flag, nonfinite += flag
-        index, one = self._constants(found.device)
+        k = self._constants(found.device)
         if bits is None:
-            bits = torch.stack([found, bad, one.bool()])
-        factors = bits[index]  # bool: multiplying and adding them into the int64 counters promotes
+            bits = torch.stack([found, bad, k.true])
+        factors = bits[k.index]  # bool: multiplying and adding them into the int64 counters promotes
         torch.addcmul(factors[1], s.counters, factors[0], out=s.counters)  # counters * K + A, one op
         s.replace("last_step_skipped", found)  # a fresh tensor each update: holders keep a snapshot
         self.last_loss_nonfinite = loss_bad
@@ -858,83 +866,54 @@ class DynamicLossScaler(torch.amp.GradScaler):
             refill = grow | (~found) if c.consecutive_hysteresis else grow
             hyst.copy_(torch.where(overflow, hyst_after_overflow, torch.where(refill, c.hysteresis, hyst)))
 
-    def _apply_clean_rule(self, device: torch.device, loss_seen: bool) -> None:
-        """`_apply_rule` for a step the host knows was clean (and so its loss finite), from constants:
-        the counters' factors are fixed (streaks end, one more step) and torch's kernel reads a zero
-        flag. Three ops (static mode: one). Only configs whose rule is torch's come here."""
-        c, s = self.config, self.state
-        false, zero, factors = self._clean_constants(device)
+    def _apply_known_rule(self, device: torch.device, skipped: bool, probe: torch.Tensor | None) -> None:
+        """`_apply_rule` for a step whose skip the host already knows (the non-fused path reads the
+        flag), where the rule is torch's: constants stand in for the flags. A clean step had a finite
+        loss (the probe joined the check): fixed counters' factors (streaks end, one more step) and a
+        zero backoff flag, three ops (static mode: one). A skipped one: only whether its loss was
+        non-finite comes from the device (the probe: 0 or NaN); it picks one of two factor pairs (K, A
+        for [1, b, 1]: see `_apply_rule`) and, where such a skip is neutral, clears the backoff flag:
+        seven ops with a probe (the general branch: eight), three without."""
+        c, s, k = self.config, self.state, self._constants(device)
+        if not skipped:
+            loss_bad, factors, overflow = (k.false if probe is not None else None), k.clean, k.zero
+        else:
+            loss_bad = None if probe is None else probe.ne(0)
+            factors = k.skip_ok if loss_bad is None else torch.where(loss_bad, k.skip_bad, k.skip_ok)
+            overflow = self._one(device)
         torch.addcmul(factors[1], s.counters, factors[0], out=s.counters)
-        s.replace("last_step_skipped", false)  # constants nobody writes to
-        self.last_loss_nonfinite = false if loss_seen else None
-        self._backed_off = None
-        if c.mode != "dynamic":
-            return
-        torch._amp_update_scale_(
-            s["scale"], s["_growth_tracker"], zero, c.growth_factor, c.backoff_factor, c.growth_interval
-        )
-        s["scale"].clamp_(c.min_scale, c.max_scale)
-        self._backed_off = false
-
-    def _apply_skip_rule(self, device: torch.device, probe: torch.Tensor | None) -> None:
-        """`_apply_rule` for a step the host knows was skipped, where the rule is torch's: the skip is
-        known, whether the loss was non-finite is not (the probe: 0, or NaN). The counters' factors
-        are one of two constant pairs, picked by that flag (K, A for [1, b, 1]: see `_apply_rule`);
-        torch's kernel reads the backoff flag: 1 unless the loss was non-finite and the rule leaves
-        such a skip neutral. Seven ops with a probe (the general branch: eight), three without."""
-        c, s = self.config, self.state
-        true, one, ok, bad = self._skip_constants(device)
-        loss_bad = None if probe is None else probe.ne(0)
-        factors = ok if loss_bad is None else torch.where(loss_bad, bad, ok)
-        torch.addcmul(factors[1], s.counters, factors[0], out=s.counters)
-        s.replace("last_step_skipped", true)
+        s.replace("last_step_skipped", k.true if skipped else k.false)  # constants nobody writes to
         self.last_loss_nonfinite = loss_bad
         self._backed_off = None
         if c.mode != "dynamic":
             return
-        overflow = one
-        if loss_bad is not None and not c.backoff_on_nonfinite_loss:  # a forward overflow is neutral
+        if skipped and loss_bad is not None and not c.backoff_on_nonfinite_loss:  # a neutral skip
             overflow = torch.eq(loss_bad, False, out=self._overflow_buffer())
             s["_growth_tracker"].add_(loss_bad, alpha=-1)  # (the kernel's +1 for "no overflow" undone)
         torch._amp_update_scale_(
             s["scale"], s["_growth_tracker"], overflow, c.growth_factor, c.backoff_factor, c.growth_interval
         )
         s["scale"].clamp_(c.min_scale, c.max_scale)
-        self._backed_off = overflow
+        self._backed_off = overflow if skipped else k.false
 
-    def _skip_constants(self, device: torch.device) -> tuple[torch.Tensor, ...]:
-        """A True, a 1.0 and the counters' factors (K, A) for a skip with a finite loss and for one with
-        a non-finite loss, on `device` (made once, with the clean-step constants)."""
-        found = self._skip.get(device)
+    def _constants(self, device: torch.device) -> _RuleConstants:
+        """The scaler's constants on `device`, made once (at the first step that needs one)."""
+        found = self._rule_constants.get(device)
         if found is None:
-            found = self._skip[device] = (
-                torch.ones((), dtype=torch.bool, device=device),
-                torch.ones((), dtype=torch.float32, device=device),
-                torch.tensor([[1, 0, 1, 1, 1], [1, 0, 1, 1, 0]], device=device),
-                torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 1]], device=device),
+
+            def tensor(value, dtype=None):
+                return torch.tensor(value, dtype=dtype, device=device)
+
+            found = self._rule_constants[device] = _RuleConstants(
+                index=tensor([[0, 1, 2, 2, 2], [0, 1, 2, 0, 1]]),
+                one=tensor(1.0, torch.float32),
+                false=tensor(False),
+                true=tensor(True),
+                zero=tensor(0.0, torch.float32),
+                clean=tensor([[0, 0, 1, 1, 1], [0, 0, 1, 0, 0]]),
+                skip_ok=tensor([[1, 0, 1, 1, 1], [1, 0, 1, 1, 0]]),
+                skip_bad=tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 1]]),
             )
-        return found
-
-    def _clean_constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A False, a 0.0 and the counters' factors for a clean step (K, A; see `_apply_rule`), on
-        `device` (made once)."""
-        found = self._clean.get(device)
-        if found is None:
-            factors = torch.tensor([[0, 0, 1, 1, 1], [0, 0, 1, 0, 0]], device=device)
-            found = self._clean[device] = (
-                torch.zeros((), dtype=torch.bool, device=device),
-                torch.zeros((), dtype=torch.float32, device=device),
-                factors,
-            )
-            self._skip_constants(device)  # made with them: a skip's ops are then the skip's alone
-        return found
-
-    def _constants(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """The counters' factor index and a 1.0, on `device` (made once)."""
-        found = self._indices.get(device)
-        if found is None:
-            index = torch.tensor([[0, 1, 2, 2, 2], [0, 1, 2, 0, 1]], device=device)
-            found = self._indices[device] = (index, torch.ones((), dtype=torch.float32, device=device))
         return found
 
     def _overflow_buffer(self) -> torch.Tensor:
@@ -1104,10 +1083,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        self.__dict__.setdefault("_clean", {})  # a scaler pickled before the clean-step constants
-        self.__dict__.setdefault("_skip", {})  # or the skip constants
-        self.__dict__.setdefault("_flags", {})  # or the flags buffer
-        self.__dict__.setdefault("_found_taken", False)
+        for name, value in (("_rule_constants", {}), ("_flags", {}), ("_found_taken", False)):
+            self.__dict__.setdefault(name, value)  # a scaler pickled by an earlier version
 
     def __repr__(self) -> str:
         return f"DynamicLossScaler({self.config!r}, device={self.device})"
