@@ -33,6 +33,11 @@ OUT="${1:-benchmarks/results/gpu_check}"
 mkdir -p "$OUT"
 exec > >(tee "$OUT/summary.txt") 2>&1
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+# transformers 5.25 turns hub kernels on by default and refuses to load a model when `kernels` is
+# not installed (it is not there, and would need the network): the first GPU run failed on it.
+export USE_HUB_KERNELS=0
+# GPU_CHECK_STEPS="1 7 4" runs only those steps (a rerun inside what is left of the device time).
+STEPS=" ${GPU_CHECK_STEPS:-0b 1 2 3 4 5 6 7b 7} "
 PY="${PYTHON:-python3}"
 SCALE="${GPU_CHECK_TIME_SCALE:-1}"
 status=0
@@ -90,6 +95,7 @@ CUDA=$("$PY" -c "import torch; print(int(torch.cuda.is_available()))")
 
 step() {  # step NAME LIMIT_S COMMAND...
   local name=$1 limit=$(($2 * SCALE)); shift 2
+  case "$STEPS" in *" ${name%%.*} "*) ;; *) echo "== $name: not asked for (GPU_CHECK_STEPS) =="; return;; esac
   echo "== $name (limit ${limit} s) =="
   local t0=$SECONDS
   timeout "$limit" "$@"; local rc=$?
@@ -117,6 +123,11 @@ if [ "$CUDA" = 1 ]; then
   # What one module in FP32 (the forward-overflow remedy) costs where FP32 runs without tensor cores.
   step "6. one module in FP32: memory and time on CUDA" 30 "$PY" benchmarks/fp32_module_cost.py --repeats 20 \
     --out "$OUT/fp32_module_cost.json" ${MINILM_PATH:+--model "$MINILM_PATH"}
+  # Each scaler's step captured in a CUDA graph and replayed, in a process of its own with
+  # CUDA_LAUNCH_BLOCKING=1: the first GPU run hit a device-side assert (index out of bounds) in a
+  # graph replay of step 7's launch table, which poisons the whole process; this names the culprit.
+  step "7b. CUDA-graph replay per scaler, isolated" 40 bash -c 'rc=0; for w in none torch ours; do for c in 0 1; do
+    echo "-- scaler $w, clip $c"; CUDA_LAUNCH_BLOCKING=1 "$0" benchmarks/op_count.py --graph_probe "$w" --graph_probe_clip "$c" || rc=1; done; done; exit $rc' "$PY"
   step "7. ops, kernels and time per step on CUDA" 60 "$PY" benchmarks/op_count.py --device cuda \
     --json "$OUT/op_count.json"
 else

@@ -349,9 +349,33 @@ def main(argv=None) -> int:
     parser.add_argument("--json", default=None)
     parser.add_argument("--no_first_step", action="store_true", help="Counts only (what the test runs).")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda adds the launch table).")
+    parser.add_argument(
+        "--graph_probe",
+        choices=["none", "torch", "ours"],
+        help="Only capture one scaler's fused-AdamW step in a CUDA graph, replay it 10 times and synchronise "
+        "(run with CUDA_LAUNCH_BLOCKING=1 to name a failing kernel).",
+    )
+    parser.add_argument("--graph_probe_clip", type=int, default=0)
+    parser.add_argument("--graph_probe_telemetry", type=int, default=None, help="ours' telemetry_interval")
     opts = parser.parse_args(argv)
     global DEVICE
     DEVICE = opts.device
+    if opts.graph_probe:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(20, exit=True)  # a hang names its line
+        DEVICE = "cuda"
+        if opts.graph_probe_telemetry is not None:
+            SCALERS["ours"] = lambda: DynamicLossScaler(
+                init_scale=2.0**10, telemetry_interval=opts.graph_probe_telemetry
+            )
+        kw = dict(optimizer="fused", clip=bool(opts.graph_probe_clip), graph=True)
+        replay = _runner(kw, None if opts.graph_probe == "none" else opts.graph_probe)
+        for _ in range(10):
+            replay()
+        torch.cuda.synchronize()
+        print(f"graph probe {opts.graph_probe} clip={bool(opts.graph_probe_clip)}: 10 replays passed")
+        return 0
     if DEVICE == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device")
     print(f"device: {torch.cuda.get_device_name() if DEVICE == 'cuda' else 'cpu'}, torch {torch.__version__}")

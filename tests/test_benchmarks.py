@@ -137,6 +137,7 @@ def test_gpu_check_without_a_gpu_says_skipped(tmp_path):
     """Every CUDA step reports "skipped: no GPU", none "passed", and the run exits 0."""
     import os
     import subprocess
+    import sys
 
     import torch
 
@@ -144,7 +145,14 @@ def test_gpu_check_without_a_gpu_says_skipped(tmp_path):
         pytest.skip("a GPU is present: the real check runs instead")
     # The time boxes are sized for the lent 16-core machine; on a loaded 2-core CI machine the CPU
     # step's imports alone took 45 s once. This test is about which steps run and what they say.
-    env = {**os.environ, "GPU_CHECK_WHEELS": str(tmp_path / "none"), "GPU_CHECK_TIME_SCALE": "4"}
+    # PYTHON: this interpreter, not `python3` from PATH (a venv's suite run without activating it
+    # would otherwise check a Python that lacks torch).
+    env = {
+        **os.environ,
+        "GPU_CHECK_WHEELS": str(tmp_path / "none"),
+        "GPU_CHECK_TIME_SCALE": "4",
+        "PYTHON": sys.executable,
+    }
     proc = subprocess.run(["bash", str(BENCH / "gpu_check.sh"), str(tmp_path / "out")], capture_output=True,
                           text=True, env=env, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

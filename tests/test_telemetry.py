@@ -226,7 +226,7 @@ def test_buckets_of_every_bit_pattern_match_the_exponent_field():
     odd length: the counts equal a histogram of the IEEE exponent field read with integer shifts.
     Bug caught: the byte-level exponent read (CPU) taking the wrong byte or losing the exponent's
     lowest bit, which would move every value to a neighbouring bucket."""
-    from hf_lossscale.core.telemetry import _BELOW, _FOLD, _ZERO
+    from hf_lossscale.core.telemetry import _BELOW, _ZERO, _fold_table
 
     g = torch.Generator().manual_seed(0)
     bits = torch.randint(-(2**31), 2**31 - 1, (200_003,), dtype=torch.int64, generator=g).to(torch.int32)
@@ -234,7 +234,7 @@ def test_buckets_of_every_bit_pattern_match_the_exponent_field():
     values = bits.view(torch.float32)[::2]  # strided
     biased = (values.contiguous().view(torch.int32) >> 23) & 0xFF
     expected = torch.zeros(len(BUCKETS), dtype=torch.int64).index_add_(
-        0, _FOLD, torch.bincount(biased.long(), minlength=256)
+        0, _fold_table(biased.device), torch.bincount(biased.long(), minlength=256)
     )
     zeros = int((values == 0).sum())
     got = bucket_counts(values)

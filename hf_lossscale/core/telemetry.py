@@ -49,21 +49,21 @@ def bucket_index(exponent: int) -> int:
 _CHUNK = 2**24  # float32 counts are exact up to 2^24: histc runs in chunks no larger
 
 
-def _fold_table() -> torch.Tensor:
+def _fold_table(device: torch.device) -> torch.Tensor:
     """FP32 biased exponent (0..255) -> bucket. 0 (zero or an FP32 subnormal) goes to `<2^-24`;
-    zeros are moved to `zero` by a separate count."""
-    table = []
-    for biased in range(256):
-        if biased == 255:
-            table.append(_NONFINITE)
-        elif biased == 0:
-            table.append(_BELOW)
-        else:
-            table.append(bucket_index(biased - 127))
-    return torch.tensor(table, dtype=torch.int64)
+    zeros are moved to `zero` by a separate count. Built on `device` by device ops (no host-to-device
+    copy: on CUDA that is a synchronising copy, and inside a CUDA-graph capture a copy whose source is
+    gone at replay), once per device."""
+    table = _FOLD.get(device)
+    if table is None:
+        biased = torch.arange(256, device=device)
+        table = (biased - 127).clamp(MIN_EXP - 1, MAX_EXP + 1) - MIN_EXP + 2  # bucket_index(biased - 127)
+        table = torch.where(biased == 0, _BELOW, torch.where(biased == 255, _NONFINITE, table))
+        _FOLD[device] = table
+    return table
 
 
-_FOLD = _fold_table()
+_FOLD: dict[torch.device, torch.Tensor] = {}
 
 
 def bucket_counts(tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -86,7 +86,7 @@ def bucket_counts(tensor: torch.Tensor, out: torch.Tensor | None = None) -> torc
         per_exponent = torch.zeros(256, dtype=torch.int64, device=x.device)
         for chunk in biased.split(_CHUNK):
             per_exponent += torch.histc(chunk.float(), bins=256, min=-0.5, max=255.5).to(torch.int64)
-    out.index_add_(0, _FOLD.to(x.device), per_exponent)
+    out.index_add_(0, _fold_table(x.device), per_exponent)
     zeros = x.numel() - torch.count_nonzero(x)
     out[_ZERO] += zeros
     out[_BELOW] -= zeros
