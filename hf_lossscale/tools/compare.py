@@ -15,6 +15,7 @@ import argparse
 import json
 import math
 import signal
+import sys
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
@@ -120,6 +121,12 @@ def run_comparison(opts: argparse.Namespace) -> tuple[list[RunResult], dict[str,
     from .._extras import need
 
     need("matplotlib", "hf-lossscale compare's plots", "tools")  # before hours of runs, not after
+    if "bf16" in opts.settings:
+        from .bf16 import native_bf16, slow_bf16_warning
+
+        native, line = native_bf16()
+        if not native:
+            print(f"warning: {slow_bf16_warning(line)}", file=sys.stderr, flush=True)
     out = Path(opts.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     try:

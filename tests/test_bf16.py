@@ -1,0 +1,97 @@
+"""BF16 only where the device computes it natively: the capability question, the demo's choice, and
+a forced BF16 run on a processor held to AVX2 (issue 41)."""
+
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import save_tiny_bert
+
+from hf_lossscale.tools.bf16 import native_bf16
+from hf_lossscale.tools.demo import choose_bf16
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cpu(monkeypatch, *, avx512_bf16, amx, capability="AVX512"):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+
+
+@pytest.mark.parametrize(
+    "avx512_bf16, amx, capability, isa, native",
+    [
+        (False, False, "AVX2", None, False),  # the issue's EPYC: AVX2, no BF16 instructions
+        (True, False, "AVX512", None, True),
+        (False, True, "AVX512", None, True),
+        (True, False, "AVX2", None, False),  # BF16 hardware, torch held to AVX2 kernels
+        (True, False, "AVX512", "AVX2", False),  # oneDNN held below BF16
+        (True, False, "AVX512", "AVX512_CORE_BF16", True),
+    ],
+)
+def test_the_cpu_answer_follows_the_capability(monkeypatch, avx512_bf16, amx, capability, isa, native):
+    """Bug caught: "every CPU has BF16" (the old rule), which ran the demo's BF16 34x slower."""
+    _cpu(monkeypatch, avx512_bf16=avx512_bf16, amx=amx, capability=capability)
+    if isa:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+    got, line = native_bf16()
+    assert got is native
+    assert line.endswith("native BF16") and (("no native" in line) is not native)
+
+
+def test_cuda_asks_without_emulation(monkeypatch):
+    """Bug caught: `is_bf16_supported()` with its default, which says True on a T4 (emulated BF16)."""
+    asked = {}
+
+    def is_bf16_supported(including_emulation=True):
+        asked["including_emulation"] = including_emulation
+        return including_emulation  # a T4: only emulated
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", is_bf16_supported)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla T4")
+    assert native_bf16("cuda") == (False, "Tesla T4: no native BF16")
+    assert asked == {"including_emulation": False}
+
+
+def test_the_demo_leaves_bf16_out_only_where_it_is_slow(monkeypatch, capsys):
+    import hf_lossscale.tools.demo as demo
+
+    slow = (False, "CPU (AVX2) without AVX512-BF16 or AMX: no native BF16")
+    monkeypatch.setattr(demo, "native_bf16", lambda device=None: slow)
+    assert choose_bf16(None) is False
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "BF16 left out" in out and "--bf16" in out and "AVX2" in out
+    assert choose_bf16(True) is True and "slower than FP32" in capsys.readouterr().out  # forced: runs, warned
+    assert choose_bf16(False) is False
+    monkeypatch.setattr(demo, "native_bf16", lambda device=None: (True, "CPU with AMX: native BF16"))
+    assert choose_bf16(None) is True and capsys.readouterr().out == ""
+
+
+def test_a_forced_bf16_comparison_runs_on_a_processor_held_to_avx2(tmp_path, monkeypatch, capsys):
+    """`compare --settings fp32,bf16` with torch's kernels and oneDNN held to AVX2 (what a CPU without
+    BF16 instructions runs): it warns with the measured slowdown before the runs, and the BF16 run
+    still finishes, as BF16. Bug caught: the warning refusing instead of warning, or missing."""
+    from hf_lossscale.tools.cli import main
+
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")  # the runs' processes start with it
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    model = save_tiny_bert(tmp_path / "model")
+    text = tmp_path / "text.txt"
+    text.write_text("\n".join(f"a short line of words number {i} for a tiny model" for i in range(60)))
+    out = tmp_path / "cmp"
+    code = main([
+        "compare", str(ROOT / "recipes" / "language_modeling.py"), "--max_steps", "2", "--output_dir", str(out),
+        "--settings", "fp32,bf16", "--launcher", "python",
+        "--", "--model_name_or_path", str(model), "--objective", "clm", "--train_file", str(text),
+        "--block_size", "16", "--per_device_train_batch_size", "2", "--report_to", "none",
+        "--save_strategy", "no", "--disable_tqdm", "true", "--eval_strategy", "no",
+    ])  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 0, captured.out[-3000:] + captured.err[-3000:]
+    assert "ONEDNN_MAX_CPU_ISA=AVX2" in captured.err and "slower than FP32" in captured.err
+    assert "[   bf16 seed 0]" in captured.out or "bf16 seed 0" in captured.out
+    row = next(line for line in (out / "summary.md").read_text().splitlines() if line.startswith("| BF16"))
+    assert row.rstrip(" |").endswith("ok"), row  # the BF16 run finished, as BF16
