@@ -1079,7 +1079,11 @@ class DynamicLossScaler(torch.amp.GradScaler):
                 "A DynamicLossScaler can be pickled only between iterations (before scale() or after update()), "
                 "as torch.amp.GradScaler."
             )
-        return self.__dict__.copy()
+        state = self.__dict__.copy()
+        # Device caches made again on first use: pickled, the flags buffer's views would come back as
+        # copies of their own (an optimizer's overflow written where update() no longer reads it).
+        state["_rule_constants"], state["_flags"], state["_found_taken"] = {}, {}, False
+        return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)

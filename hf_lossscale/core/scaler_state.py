@@ -84,6 +84,20 @@ class ScalerState:
         return {key: _python(key, start.get(key, 0)) for key in FIELDS}
 
     # ------------------------------------------------------------------ device tensors
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickle writes each tensor with its own storage, so the counters' 0-d views would come back
+        as copies that no update advances: they are left out and made again from `counters`."""
+        state = self.__dict__.copy()
+        if self.tensors is not None:
+            state["tensors"] = {k: v for k, v in self.tensors.items() if k not in PACKED}
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        if self.tensors is not None and self.counters is not None:
+            kept = self.tensors
+            self.tensors = {k: self.counters[PACKED.index(k)] if k in PACKED else kept[k] for k in FIELDS}
+
     @property
     def materialised(self) -> bool:
         return self.tensors is not None

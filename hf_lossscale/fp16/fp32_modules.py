@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
-import functools
+import inspect
 from collections.abc import Iterable, Iterator
 from typing import Any
 
@@ -91,15 +91,31 @@ def _no_autocast(device_type: str) -> Iterator[None]:
             yield
 
 
-def _wrap(module: torch.nn.Module) -> None:
-    original = module.forward
+class _FP32Forward:
+    """The forward `run_in_fp32` installs: the module's own forward outside autocast, its floating
+    inputs upcast. It holds the module as an attribute, not in a closure, so `copy.deepcopy(model)`
+    (EMA, `AveragedModel`, a reference model) gives the copy a forward that runs the copy's weights,
+    and the model pickles."""
 
-    @functools.wraps(original)
-    def forward(*args, **kwargs):
+    def __init__(self, module: torch.nn.Module, inner: Any = None) -> None:
+        self.module = module
+        self.inner = inner  # a forward set on the instance before ours (None: the class's)
+
+    def _target(self) -> Any:
+        return self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
+
+    @property
+    def __signature__(self) -> inspect.Signature:  # what the Trainer and accelerate inspect
+        return inspect.signature(self._target())
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
         with _no_autocast(_device_type(module, args, kwargs)):
-            return original(*upcast(args), **upcast(kwargs))
+            return self._target()(*upcast(args), **upcast(kwargs))
 
-    module.forward = forward
+
+def _wrap(module: torch.nn.Module) -> None:
+    module.forward = _FP32Forward(module, module.__dict__.get("forward"))
     setattr(module, _FLAG, True)
 
 
@@ -154,5 +170,8 @@ def runs_in_fp32(module: torch.nn.Module) -> bool:
 def unwrap(module: torch.nn.Module) -> None:
     """Undo `run_in_fp32` on one module (its own forward back in force)."""
     if runs_in_fp32(module):
+        inner = module.__dict__["forward"].inner
         del module.forward
+        if inner is not None:
+            module.forward = inner
         delattr(module, _FLAG)

@@ -24,7 +24,7 @@ from typing import Any
 
 from .files import DirectoryLock, LockedError, atomic_write_text
 from .plots import write_plots
-from .runner import CHILDREN, finished_with, launch_prefix, on_signal, run_one, stop
+from .runner import CHILDREN, STOPPING, finished_with, launch_prefix, on_signal, run_one, stop
 from .runs import DEFAULT_SETTINGS, FP16_SETTINGS, OWNED_FLAGS, RUN_RECORD, SETTINGS, RunResult, setting_flags
 from .summary import percent, percent_change, scale_text, summarize, write_summary
 
@@ -152,9 +152,21 @@ def _run_comparison(opts: argparse.Namespace, out: Path) -> tuple[list[RunResult
     )
     plan = [(setting, seed) for seed in opts.seeds for setting in opts.settings
             if seed == opts.seeds[0] or setting not in opts.first_seed_only]  # fmt: skip
-    with ThreadPoolExecutor(max_workers=getattr(opts, "jobs", 1)) as pool:
+    STOPPING.clear()
+    pool = ThreadPoolExecutor(max_workers=getattr(opts, "jobs", 1))
+    try:
         futures = [pool.submit(run_one, opts.script, st, sd, opts, opts.script_args, out) for st, sd in plan]
         results = [f.result() for f in futures]
+    except BaseException:
+        # Stopped (a signal, a failed run's error): the queued runs never start, the running ones are
+        # stopped and their workers return within seconds; summary.md and metrics.json are not written.
+        STOPPING.set()
+        pool.shutdown(wait=False, cancel_futures=True)
+        for proc in list(CHILDREN):
+            stop(proc)
+        raise
+    finally:
+        pool.shutdown(wait=True)
     summary = summarize(results, opts)
     text = write_summary(results, summary, opts, out)
     plots = write_plots(results, opts, out)

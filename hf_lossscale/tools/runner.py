@@ -8,8 +8,10 @@ import json
 import os
 import shlex
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -80,6 +82,8 @@ def run_one(
         result.wall_s = json.loads(record_path.read_text())["wall_s"]
         result.returncode = 0
         return _finish(result, events_path, log_path)
+    if STOPPING.is_set():  # the runner was stopped: start nothing new
+        raise RunnerStopped(f"{setting} seed {seed}: not started, the comparison was stopped")
     if run_dir.exists():
         shutil.rmtree(run_dir)  # the runner owns this folder: a stale log must not mix in
     run_dir.mkdir(parents=True)
@@ -91,8 +95,14 @@ def run_one(
     start = time.perf_counter()
     offset = 0
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        # A session of its own: a stop reaches the run's whole process tree (accelerate launch and the
+        # training process it starts), and a Ctrl-C in the terminal reaches only the runner, which stops it.
+        proc = subprocess.Popen(
+            command, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
         CHILDREN.add(proc)
+        if STOPPING.is_set():  # a stop between the check above and the start
+            stop(proc)
         try:
             while True:
                 done = proc.poll() is not None
@@ -116,23 +126,42 @@ def run_one(
 
 #: The training processes running now: stopped when the runner is interrupted or terminated.
 CHILDREN: set[subprocess.Popen] = set()
+#: Set when the runner is stopped (a signal, an error): no run starts after it.
+STOPPING = threading.Event()
+
+
+class RunnerStopped(RuntimeError):
+    """A run that was not started because the comparison was stopped."""
+
+
+def _signal_tree(proc: subprocess.Popen, sig: int) -> None:
+    """`sig` to the run's process group (its own session: the launcher and the training process)."""
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
-    """Terminate a child still running (SIGTERM, then SIGKILL after `grace_s`)."""
-    if proc.poll() is not None:
-        return
-    proc.terminate()
-    try:
-        proc.wait(grace_s)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    """Stop a run's whole process tree: SIGTERM, then SIGKILL after `grace_s`; whatever of the tree
+    outlived its leader is killed too."""
+    if proc.poll() is None:
+        _signal_tree(proc, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            _signal_tree(proc, signal.SIGKILL)
+            proc.wait()
+    _signal_tree(proc, signal.SIGKILL)  # a grandchild left behind by its exiting parent
 
 
 def on_signal(signum, frame):
+    """SIGTERM / SIGINT to the runner: start nothing new, signal every run now (their trees stop in
+    parallel, within seconds), and leave through SystemExit (the caller waits for them)."""
+    STOPPING.set()
     for proc in list(CHILDREN):
-        stop(proc)
+        if proc.poll() is None:
+            _signal_tree(proc, signal.SIGTERM)
     raise SystemExit(128 + signum)
 
 

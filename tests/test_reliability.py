@@ -1,0 +1,79 @@
+"""Defects reproduced from outside (issue 37): each test fails on the code before its fix."""
+
+import copy
+import pickle
+
+import pytest
+import torch
+
+from hf_lossscale import DynamicLossScaler
+
+
+def _train(optimizer_kind, roundtrip, steps=8, overflow_at=(2, 3), **scaler_kw):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    if optimizer_kind == "fused_adamw":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, fused=True)
+    elif optimizer_kind == "fused_sgd":
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2, momentum=0.9, fused=True)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+    scaler = DynamicLossScaler(init_scale=256.0, growth_interval=100, **scaler_kw)
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+    scales = []
+    for i in range(steps):
+        opt.zero_grad()
+        scaler.scale(model(x).pow(2).mean()).backward()
+        if i in overflow_at:
+            model[0].weight.grad[0, 0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        scales.append(scaler.get_scale())
+        if roundtrip:
+            scaler = roundtrip(scaler)
+    return scales, scaler.stats(), [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("optimizer_kind", ["fused_adamw", "fused_sgd", "foreach_adamw"])
+@pytest.mark.parametrize("hysteresis", [1, 2])
+def test_a_scaler_pickled_after_every_update_trains_as_one_never_pickled(optimizer_kind, hysteresis):
+    """torch's own GradScaler tests pickle the scaler after every update. Bug caught: the counters'
+    views and the flags buffer's views came back unshared, so `total_steps` froze, skips went
+    uncounted and, on fused optimizers, update() no longer saw the overflows (256 grew to 4096)."""
+    kw = {"hysteresis": hysteresis}
+    ref_scales, ref_stats, ref_params = _train(optimizer_kind, None, **kw)
+    got_scales, got_stats, got_params = _train(optimizer_kind, lambda s: pickle.loads(pickle.dumps(s)), **kw)
+    assert got_scales == ref_scales and min(ref_scales) < 256.0
+    for key in ("total_steps", "skipped_steps", "consecutive_skips", "loss_scale"):
+        assert got_stats[key] == ref_stats[key], key
+    assert ref_stats["total_steps"] == 8 and ref_stats["skipped_steps"] == 2
+    for a, b in zip(got_params, ref_params, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_deepcopy_and_pickle_agree():
+    _, by_pickle, _ = _train("fused_adamw", lambda s: pickle.loads(pickle.dumps(s)))
+    _, by_deepcopy, _ = _train("fused_adamw", copy.deepcopy)
+    assert by_pickle == by_deepcopy
+
+
+def test_a_deep_copy_of_a_model_with_fp32_modules_runs_its_own_weights():
+    """Bug caught: the FP32 wrapper was a closure bound to the original module, so a deep copy (EMA,
+    `AveragedModel`, TRL's reference model) ran the original's weights, and pickling the model failed."""
+    from hf_lossscale.fp16.fp32_modules import fp32_module_names, run_in_fp32, unwrap
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    assert run_in_fp32(model, ["0"]) == ["0"]
+    x = torch.randn(3, 4)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin[0].weight.mul_(3)
+    assert not torch.allclose(twin(x), model(x))
+    assert torch.equal(twin(x), twin[2](twin[1](torch.nn.functional.linear(x, twin[0].weight, twin[0].bias))))
+    restored = pickle.loads(pickle.dumps(model))
+    assert torch.equal(restored(x), model(x)) and fp32_module_names(restored) == ["0"]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert model[0](x).dtype == torch.float32  # still outside autocast
+    unwrap(model[0])
+    assert "forward" not in model[0].__dict__ and fp32_module_names(model) == []
