@@ -2,6 +2,7 @@
 
 import copy
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -77,3 +78,75 @@ def test_a_deep_copy_of_a_model_with_fp32_modules_runs_its_own_weights():
         assert model[0](x).dtype == torch.float32  # still outside autocast
     unwrap(model[0])
     assert "forward" not in model[0].__dict__ and fp32_module_names(model) == []
+
+
+def test_a_lock_file_is_never_seen_empty_and_a_second_lock_in_a_process_is_refused(tmp_path, monkeypatch):
+    """Bug caught: the pid was written after the O_EXCL create, so a runner reading the empty file in
+    between took the lock from a live owner; and a second lock in the same process re-entered, its
+    exit dropping the first's."""
+    import os
+
+    from hf_lossscale.tools import files
+    from hf_lossscale.tools.files import DirectoryLock, LockedError
+
+    seen = []
+    real_link = os.link
+
+    def link_and_look(src, dst):
+        real_link(src, dst)
+        seen.append(Path(dst).read_text())  # what a second runner reads the moment the file exists
+
+    monkeypatch.setattr(files.os, "link", link_and_look)
+    with DirectoryLock(tmp_path, what="first") as first:
+        assert seen == [str(os.getpid())]
+        with pytest.raises(LockedError, match="in this process"):
+            DirectoryLock(tmp_path, what="second").__enter__()
+        assert first.path.read_text() == str(os.getpid())  # the refused one dropped nothing
+    assert not (tmp_path / DirectoryLock.NAME).exists()
+    (tmp_path / DirectoryLock.NAME).write_text("999999999")  # a dead owner's lock is taken over
+    with DirectoryLock(tmp_path):
+        pass
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_config_file_nests_loss_scale_beside_other_keys(tmp_path):
+    """Bug caught: a file with `loss_scale:` beside other tools' keys was refused (only a file holding
+    `loss_scale:` alone was read as nested), though the docstring invites it."""
+    from hf_lossscale import LossScaleConfig
+    from hf_lossscale.core.config import resolve_config
+
+    path = tmp_path / "train.yaml"
+    path.write_text("learning_rate: 2.0e-5\nloss_scale:\n  init_scale: 1024\n  growth_interval: 50\n")
+    assert LossScaleConfig.from_file(path).init_scale == 1024
+    config = resolve_config(environ={"HF_LOSSSCALE_CONFIG": str(path)})
+    assert (config.init_scale, config.growth_interval) == (1024, 50)
+
+
+def test_environment_variables_are_read_exactly_and_errors_name_their_sources():
+    """Bugs caught: a blank HF_LOSSSCALE_MAX_CONSECUTIVE_SKIPS silently disabled the collapse check;
+    0 was refused where the flag means "disable"; 2**63 - 1 went through float() and was refused as
+    ...808; a cross-field error named neither the variable nor the other field's source."""
+    from hf_lossscale.core.config import resolve_config
+
+    with pytest.raises(ValueError, match="HF_LOSSSCALE_MAX_CONSECUTIVE_SKIPS is set but empty"):
+        resolve_config(environ={"HF_LOSSSCALE_MAX_CONSECUTIVE_SKIPS": "  "})
+    assert resolve_config(environ={"HF_LOSSSCALE_MAX_CONSECUTIVE_SKIPS": "0"}).max_consecutive_skips is None
+    big = resolve_config(environ={"HF_LOSSSCALE_MAX_CONSECUTIVE_SKIPS": str(2**63 - 1)})
+    assert big.max_consecutive_skips == 2**63 - 1
+    assert resolve_config(environ={"HF_LOSSSCALE_GROWTH_INTERVAL": "1e3"}).growth_interval == 1000
+    with pytest.raises(ValueError) as err:
+        resolve_config(environ={"HF_LOSSSCALE_MIN_SCALE": "1e9"})
+    assert "min_scale by environment variable HF_LOSSSCALE_MIN_SCALE" in str(err.value)
+    assert "max_scale by default" in str(err.value)
+
+
+def test_scale_takes_a_generator_of_losses_as_torchs_scaler_does():
+    """Bug caught: a generator was refused with a message saying scale() takes an iterable."""
+    scaler = DynamicLossScaler(init_scale=8.0)
+    losses = [torch.tensor(1.0), torch.tensor(2.0)]
+    scaled = list(scaler.scale(loss for loss in losses))
+    assert [float(x) for x in scaled] == [8.0, 16.0]
+    torch_scaled = list(torch.amp.GradScaler("cpu", init_scale=8.0).scale(loss for loss in losses))
+    assert [float(x) for x in torch_scaled] == [8.0, 16.0]
+    with pytest.raises(ValueError, match="got generator without a Tensor"):
+        scaler.scale(x for x in [])

@@ -11,6 +11,7 @@ import json
 import math
 import numbers
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -349,10 +350,7 @@ class LossScaleConfig:
         YAML is read with `yaml.safe_load`. A file may also nest the fields under a top-level
         `loss_scale:` key, so one file can carry other settings too.
         """
-        data = read_config_file(path)
-        if isinstance(data, dict) and set(data) == {"loss_scale"}:
-            data = data["loss_scale"]
-        return cls.from_dict(data, source=str(path))
+        return cls.from_dict(config_section(read_config_file(path)), source=str(path))
 
     def to_file(self, path: str | os.PathLike) -> None:
         """Write the config as JSON or YAML, chosen by the file's suffix."""
@@ -492,16 +490,32 @@ def _yaml_load(text: str) -> Any:
     return yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader subclass
 
 
+def config_section(data: Any) -> Any:
+    """A config file's fields: the mapping under a top-level `loss_scale:` key when there is one (the
+    file's other keys are other tools' settings), else the file's whole mapping."""
+    if isinstance(data, dict) and isinstance(data.get("loss_scale"), dict):
+        return data["loss_scale"]
+    return data
+
+
 # ---------------------------------------------------------------------- layered resolution
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off"}
-_NONE = {"none", "null", ""}
+_NONE = {"none", "null"}
+#: Fields whose command-line flag and environment variable take 0 for None ("disable").
+_ZERO_DISABLES = ("max_consecutive_skips",)
 
 
 def _parse_env_value(name: str, var: str, raw: str) -> Any:
     """Parse one per-field environment variable by the field's declared type."""
     kind = {f.name: str(f.type) for f in dataclasses.fields(LossScaleConfig)}[name]
     text = raw.strip()
+    if not text:  # a blank variable is a mistake, not "none": it would silently change the field
+        raise ValueError(
+            f"Environment variable {var} is set but empty: give it a value"
+            + (" (or none)" if "None" in kind else "")
+            + ", or unset it for the default."
+        )
     try:
         if kind == "bool":
             if text.lower() in _TRUE:
@@ -512,10 +526,16 @@ def _parse_env_value(name: str, var: str, raw: str) -> Any:
         if "None" in kind and text.lower() in _NONE:
             return None
         if kind.startswith("int"):
-            value = float(text)
-            if not value.is_integer():
-                raise ValueError
-            return int(value)
+            try:
+                value = int(text)  # exact: 2**63 - 1 must not pass through a float
+            except ValueError:
+                number = float(text)  # "1e3"
+                if not number.is_integer() or abs(number) > 2**53:
+                    raise ValueError from None
+                value = int(number)
+            if value == 0 and name in _ZERO_DISABLES:
+                return None  # as the --loss_scale_ flag: 0 disables
+            return value
         if kind == "float":
             return float(text)
         return text  # str, and fp32_modules' comma-separated names
@@ -543,9 +563,7 @@ def _env_layers(environ: dict[str, str] | None) -> dict[str, tuple[Any, str]]:
     values: dict[str, tuple[Any, str]] = {}
     if environ.get(ENV_CONFIG_FILE):
         path = environ[ENV_CONFIG_FILE]
-        data = read_config_file(path)
-        if isinstance(data, dict) and set(data) == {"loss_scale"}:
-            data = data["loss_scale"]
+        data = config_section(read_config_file(path))
         source = f"{ENV_CONFIG_FILE}={path}"
         LossScaleConfig.from_dict(data, source=source)  # validates; errors name the keys
         values.update({k: (v, source) for k, v in data.items()})
@@ -594,9 +612,11 @@ def resolve_config(
     try:
         return LossScaleConfig(**{k: v for k, (v, _) in layers.items()})
     except ValueError as err:
+        # Name where each field the message mentions came from: a cross-field error (min_scale above
+        # max_scale, say) names both, the one a variable set and the one left at its default.
         text = str(err)
-        for name, (_, source) in layers.items():
-            if text.startswith(f"LossScaleConfig.{name}=") or f" {name}=" in text:
-                text += f" (set by {source})"
-                break
+        mentioned = [n for n in LossScaleConfig.field_names() if re.search(rf"(?<![\w]){n}(?![\w])", text)]
+        sources = [f"{n} by {layers[n][1]}" if n in layers else f"{n} by default" for n in mentioned]
+        if any(n in layers for n in mentioned):
+            text += f" (set: {'; '.join(sources)})"
         raise ValueError(text) from None

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import math
 import warnings
 from collections import abc, defaultdict
@@ -282,9 +283,18 @@ class DynamicLossScaler(torch.amp.GradScaler):
 
         No host synchronisation. In `"off"` mode the outputs come back unchanged.
         """
-        first = _first_tensor_nested(outputs)
+        kind = type(outputs).__name__
+        if isinstance(outputs, abc.Iterator):  # a generator (torch's scaler takes any iterable): peek
+            head = next(outputs, None)
+            first = _first_tensor_nested(head)
+            outputs = itertools.chain([head], outputs)
+        else:
+            first = _first_tensor_nested(outputs)
         if first is None:
-            raise ValueError("scale() takes a Tensor or an iterable of Tensors.")
+            raise ValueError(
+                f"scale() takes a Tensor, or a list, tuple or other iterable of Tensors; got {kind} "
+                "without a Tensor."
+            )
         self._catch_up()
         if not self.state.materialised:
             self.state.materialise(self._device or first.device)

@@ -55,17 +55,26 @@ class DirectoryLock:
         self.path = Path(folder) / self.NAME
         self.what = what
 
+    _HELD: set[Path] = set()  # locks this process holds
+
     def __enter__(self) -> DirectoryLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        key = self.path.resolve()
+        if key in DirectoryLock._HELD:  # a second runner in this process: refused, not re-entered
+            raise LockedError(
+                f"{self.path.parent} is in use by {self.what} in this process (lock file {self.path})."
+            )
         for _ in range(2):
+            # The lock file appears with its pid already in it (written beside it, then hard-linked into
+            # place, which fails if it exists): a second runner never reads an empty lock file.
+            fd, tmp = tempfile.mkstemp(prefix=f"{self.NAME}.", suffix=".tmp", dir=self.path.parent)
             try:
-                fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+                with os.fdopen(fd, "w") as f:
+                    f.write(str(os.getpid()))
+                os.link(tmp, self.path)
             except FileExistsError:
-                try:
-                    owner = int(self.path.read_text().strip() or 0)
-                except (OSError, ValueError):
-                    owner = 0
-                if owner and _alive(owner) and owner != os.getpid():
+                owner = self._owner()
+                if owner and _alive(owner):
                     raise LockedError(
                         f"{self.path.parent} is in use by {self.what} (process {owner}, lock file {self.path}). "
                         "Wait for it to finish, or give this one another --output_dir; remove the lock file "
@@ -73,12 +82,21 @@ class DirectoryLock:
                     ) from None
                 self.path.unlink(missing_ok=True)  # left by a process that died: take it over
                 continue
-            with os.fdopen(fd, "w") as f:
-                f.write(str(os.getpid()))
+            finally:
+                os.unlink(tmp)
+            DirectoryLock._HELD.add(key)
+            self._key = key
             return self
         raise LockedError(f"Could not take the lock {self.path}.")
 
+    def _owner(self) -> int:
+        try:
+            return int(self.path.read_text().strip() or 0)
+        except (OSError, ValueError):
+            return 0
+
     def __exit__(self, *exc) -> None:
+        DirectoryLock._HELD.discard(getattr(self, "_key", None))
         try:
             if self.path.read_text().strip() == str(os.getpid()):
                 self.path.unlink()
