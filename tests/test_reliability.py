@@ -150,3 +150,36 @@ def test_scale_takes_a_generator_of_losses_as_torchs_scaler_does():
     assert [float(x) for x in torch_scaled] == [8.0, 16.0]
     with pytest.raises(ValueError, match="got generator without a Tensor"):
         scaler.scale(x for x in [])
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_a_dropped_iteration_does_not_skip_the_next_clean_step(fused):
+    """A non-finite loss scaled and backpropagated, then dropped by hand (`zero_grad(); continue`):
+    torch's scaler steps the next, clean iteration. Bug caught: the dropped loss's probe stayed and
+    made that step a skip, counted as a non-finite loss."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 1)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=fused, foreach=not fused)
+    scaler = DynamicLossScaler(init_scale=16.0)
+    x = torch.randn(8, 4)
+    for i in range(3):
+        opt.zero_grad()
+        loss = model(x).pow(2).mean()
+        if i == 1:
+            scaler.scale(loss * float("nan")).backward()
+            opt.zero_grad()
+            continue  # the bad batch dropped
+        before = model.weight.detach().clone()
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        assert not torch.equal(model.weight, before), f"iteration {i} was skipped"
+    stats = scaler.stats()
+    assert stats["skipped_steps"] == 0 and stats["total_steps"] == 2 and stats["loss_scale"] == 16.0
+    # accumulation is not mistaken for a drop: a NaN micro-batch among kept ones still skips
+    opt.zero_grad()
+    scaler.scale(model(x).pow(2).mean()).backward()
+    scaler.scale(model(x).pow(2).mean() * float("inf")).backward()
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.stats()["skipped_steps"] == 1

@@ -146,6 +146,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self._rule_constants: dict[torch.device, _RuleConstants] = {}  # see _constants
         self._flags: dict[torch.device, tuple[torch.Tensor, ...]] = {}  # see _flag_views
         self._found_taken = False  # whether this iteration's check used the flags buffer (_new_found)
+        self._grad_sentinel: torch.nn.Parameter | None = None  # see _drop_stale_probe
         #: Device flags of the last update: its loss was non-finite / it backed the scale off.
         self.last_loss_nonfinite: torch.Tensor | None = None
         # the last update's backoff: a bool flag, or (fast rule) its float overflow flag, compared on request
@@ -324,6 +325,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         the gradients' overflow check reads it in the same kernel call (see `_unscale_grads_`). A
         1-element loss on the scale's device writes it into the flags buffer (`_flag_views`)."""
         loss = loss.detach()
+        self._drop_stale_probe()
         if loss.device == self._scale.device and loss.numel() == 1:
             _, _, in_buffer = self._flag_views(loss.device)
             if self._loss_probe is None:  # the iteration's first loss
@@ -338,6 +340,21 @@ class DynamicLossScaler(torch.amp.GradScaler):
             probe = probe.sum()
         probe = probe.reshape(()).to(self._scale.device, non_blocking=True)
         self._loss_probe = probe if self._loss_probe is None else self._loss_probe + probe
+
+    def _drop_stale_probe(self) -> None:
+        """Forget the probe of losses whose gradients were thrown away: a loss scaled in an iteration
+        that never reached `update()` (a bad batch dropped by hand: `zero_grad(); continue`) must not
+        make the next, clean step a skip, as torch's scaler steps it. Told from accumulation by a
+        parameter that had a gradient at the first step (`_grad_sentinel`): `zero_grad()` (which sets
+        gradients to None by default) left it without one, and no optimizer was unscaled or stepped
+        since. A host check of one attribute; `zero_grad(set_to_none=False)` is not seen."""
+        if (
+            self._loss_probe is not None
+            and self._grad_sentinel is not None
+            and self._grad_sentinel.grad is None
+            and not self._per_optimizer_states
+        ):
+            self._loss_probe = None
 
     def _flag_views(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The flags buffer on `device` (made once) and its first two elements as 0-d views:
@@ -508,6 +525,10 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not supported when loss scaling is enabled.")
         self._require_init("step")
+        if self._grad_sentinel is None:  # see _drop_stale_probe
+            self._grad_sentinel = next(
+                (p for g in optimizer.param_groups for p in g["params"] if p.grad is not None), None
+            )
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
@@ -1093,11 +1114,17 @@ class DynamicLossScaler(torch.amp.GradScaler):
         # Device caches made again on first use: pickled, the flags buffer's views would come back as
         # copies of their own (an optimizer's overflow written where update() no longer reads it).
         state["_rule_constants"], state["_flags"], state["_found_taken"] = {}, {}, False
+        state["_grad_sentinel"] = None  # a parameter of the model: not the scaler's to carry
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
-        for name, value in (("_rule_constants", {}), ("_flags", {}), ("_found_taken", False)):
+        for name, value in (
+            ("_rule_constants", {}),
+            ("_flags", {}),
+            ("_found_taken", False),
+            ("_grad_sentinel", None),
+        ):
             self.__dict__.setdefault(name, value)  # a scaler pickled by an earlier version
 
     def __repr__(self) -> str:
