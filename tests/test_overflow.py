@@ -144,9 +144,10 @@ def test_at_min_scale_warn_keeps_going_once_warned():
 
 @pytest.mark.parametrize("fused", [False, True])
 def test_at_min_scale_clamp_steps_at_the_floor_with_clamped_gradients(fused):
-    """Above the floor an overflow still skips and backs off; at the floor the step is taken, NaN
-    elements as 0 and inf as 65504 / scale. Bug caught: stepping with inf (weights become inf), or
-    clamping above the floor (hiding overflows the backoff would fix)."""
+    """Above the floor an overflow still skips and backs off; at the floor, once `max_consecutive_skips`
+    skips ran in a row, the step is taken, NaN elements as 0 and inf as 65504 / scale. Bugs caught:
+    stepping with inf (weights become inf), clamping above the floor (hiding overflows the backoff
+    would fix), or at the first overflow at the floor (the docs say after max_consecutive_skips)."""
     torch.manual_seed(0)
     model = torch.nn.Linear(4, 2)
     opt = (
@@ -154,15 +155,49 @@ def test_at_min_scale_clamp_steps_at_the_floor_with_clamped_gradients(fused):
         if not fused
         else torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     )
-    scaler = DynamicLossScaler(init_scale=2.0, min_scale=1.0, at_min_scale="clamp")
+    scaler = DynamicLossScaler(init_scale=2.0, min_scale=1.0, at_min_scale="clamp", max_consecutive_skips=2)
     w = model.weight.detach().clone()
     _step(scaler, model, opt, grad_inf=True)  # 2 -> 1: skipped
     assert torch.equal(model.weight, w) and scaler.get_scale() == 1.0 and scaler.clamped_steps == 0
-    _step(scaler, model, opt, grad_inf=True)  # at the floor: stepped, clamped
+    _step(scaler, model, opt, grad_inf=True)  # at the floor, one skip in a row: still skipped
+    assert torch.equal(model.weight, w) and scaler.clamped_steps == 0
+    _step(scaler, model, opt, grad_inf=True)  # at the floor after two: stepped, clamped
     assert (
         scaler.clamped_steps == 1 and torch.isfinite(model.weight).all() and not torch.equal(model.weight, w)
     )
-    assert scaler.stats()["skipped_steps"] == 1
+    assert scaler.stats()["skipped_steps"] == 2
+
+
+def test_at_min_scale_clamp_never_steps_a_nonfinite_loss_and_keeps_the_users_clip():
+    """Bugs caught: clamping stepped on an all-NaN gradient from a non-finite loss (all zeros: AdamW's
+    decay and moments still moved the weights); and it ran after the user's `clip_grad_norm_` (which
+    saw inf), so the update had norm 6550 with `max_norm=1`."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    scaler = DynamicLossScaler(init_scale=1.0, min_scale=1.0, at_min_scale="clamp", max_consecutive_skips=1)
+    x = torch.randn(3, 4)
+
+    def step(loss_factor=1.0, grad_inf=False, clip=None):
+        opt.zero_grad()
+        scaler.scale(model(x).pow(2).mean() * loss_factor).backward()
+        if grad_inf:
+            model.weight.grad[0, 0] = float("inf")
+        if clip is not None:
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler.step(opt)
+        scaler.update()
+        return torch.cat(
+            [(p.detach() - b).flatten() for p, b in zip(model.parameters(), before, strict=True)]
+        )
+
+    assert step(grad_inf=True).abs().max() == 0  # the first skip in a row: skipped
+    assert step(loss_factor=float("nan")).abs().max() == 0  # a non-finite loss: never clamped
+    assert scaler.clamped_steps == 0
+    update = step(grad_inf=True, clip=1.0)  # clamped, then the user's clip: lr 1 x norm <= 1
+    assert scaler.clamped_steps == 1 and 0 < update.norm() <= 1.0 + 1e-5
 
 
 def test_floor_event_after_n_steps_at_min_scale():

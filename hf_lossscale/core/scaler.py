@@ -494,6 +494,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
         inv_scale = torch.reciprocal(self._scale)
         state["found_inf_per_device"] = self._unscale_grads_(optimizer, inv_scale)
         state["stage"] = OptState.UNSCALED
+        if self.config.at_min_scale == "clamp":
+            self._clamp_at_floor(optimizer, state)
 
     def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
         """Check for inf/NaN without unscaling (fused optimizers unscale inside their kernel)."""
@@ -600,17 +602,32 @@ class DynamicLossScaler(torch.amp.GradScaler):
     def _step_clamping(
         self, optimizer: torch.optim.Optimizer, state: dict[str, Any], args: tuple, kwargs: dict
     ) -> Any:
-        """`at_min_scale="clamp"`: with the scale at its floor, an overflowing step is not skipped: NaN
-        gradient elements become 0 and +-inf become +-65504 / scale (the largest FP16 gradient), and
-        the optimizer steps. One host read per step (the flag and the scale together)."""
+        """`at_min_scale="clamp"`: `unscale_` decided (`_clamp_at_floor`); step unless still skipped."""
         if state["stage"] is OptState.READY:
             self.unscale_(optimizer)
-        else:
-            self._apply_deferred_unscale(optimizer, state)
+        skipped = state["clamp_skipped"]
+        self._before_step(optimizer, skipped)
+        retval = None if skipped else optimizer.step(*args, **kwargs)
+        state["host_skipped"] = skipped
+        state["stage"] = OptState.STEPPED
+        return retval
+
+    def _clamp_at_floor(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        """`at_min_scale="clamp"`, right after unscaling (so a clip the caller runs next sees the
+        clamped values): with the scale at its floor after `max_consecutive_skips` skips in a row, an
+        overflowing step is not skipped: NaN gradient elements become 0 and +-inf become +-65504 /
+        scale (the largest FP16 gradient). Never when the loss itself was non-finite (its gradients
+        are all NaN: there is nothing to keep). One host read per step (flag, scale, streak, loss)."""
         found = self._found_inf(optimizer)
-        found_v, scale_v = torch.stack([found, self._scale.to(found.device)]).tolist()
+        probe = self._loss_probe if self._loss_probe is not None else torch.zeros((), device=found.device)
+        read = torch.stack([
+            found.double(), self._scale.to(found.device).double(),
+            self.state["consecutive_skips"].to(found.device).double(), probe.to(found.device).double(),
+        ]).tolist()  # fmt: skip
+        found_v, scale_v, streak, probe_v = read
         skipped = found_v > 0
-        if skipped and scale_v <= self.config.min_scale:
+        threshold = self.config.max_consecutive_skips or 0
+        if skipped and probe_v == 0 and scale_v <= self.config.min_scale and streak >= threshold:
             limit = FP16_MAX / scale_v
             with torch.no_grad():
                 for group in optimizer.param_groups:
@@ -623,11 +640,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
             }
             self.clamped_steps += 1
             skipped = False
-        self._before_step(optimizer, skipped)
-        retval = None if skipped else optimizer.step(*args, **kwargs)
-        state["host_skipped"] = skipped
-        state["stage"] = OptState.STEPPED
-        return retval
+        state["clamp_skipped"] = skipped
 
     def clip_grad_norm_(
         self,
@@ -682,6 +695,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         with_grad = [p for p in params if p.grad is not None]
         if (
             state["stage"] is OptState.UNSCALED
+            or self.config.at_min_scale == "clamp"  # unscale_ clamps first: the clip sees the clamped values
             or norm_type not in (2.0, math.inf)
             or self._found_inf_group is not None
             or any(p.grad.is_sparse for p in with_grad)
@@ -713,19 +727,15 @@ class DynamicLossScaler(torch.amp.GradScaler):
                 )
             coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)  # torch's formula
             # On an overflow (a non-finite norm) the step is skipped and the gradients keep their values
-            # (scaled); under at_min_scale="clamp", whose step clamps them, they are unscaled, not clipped.
-            clamping = self.config.at_min_scale == "clamp"
+            # (scaled). (at_min_scale="clamp" took the plain path above.)
             if getattr(optimizer, "_step_supports_amp_scaling", False):
                 # nothing is written: the kernel skips on the flag, whatever the divisor (a caller who
                 # reads the gradients before step() gets them unscaled and clipped: see
-                # _apply_deferred_unscale; on an overflow then, or clamping, unscaled only)
-                state["grad_scale"] = (
-                    torch.where(found > 0, scale, scale / coef) if clamping else scale / coef
-                )
+                # _apply_deferred_unscale; on an overflow then, unscaled only)
+                state["grad_scale"] = scale / coef
             else:
                 multiplier = coef / scale  # exact: a power-of-two scale divides without rounding
-                kept = torch.reciprocal(scale) if clamping else self._one(device)
-                _mul_grads_(grouped, torch.where(found > 0, kept, multiplier), foreach)
+                _mul_grads_(grouped, torch.where(found > 0, self._one(device), multiplier), foreach)
         if per_tensor is not None and not _tracing_or_capturing():  # kept tensors mean nothing in a graph
             for observer in self._watchers():  # a norm is non-finite exactly when its gradient is
                 observer.on_norms(self, optimizer, with_grad, per_tensor)
