@@ -8,14 +8,12 @@ back to the host. `step()` costs no host synchronisation with optimizers that ta
 
 from __future__ import annotations
 
-import functools
-import inspect
 import itertools
 import math
 import warnings
 from collections import abc, defaultdict
 from collections.abc import Iterable
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch.amp.grad_scaler import OptState  # torch's stages: third-party code compares against them
@@ -30,11 +28,12 @@ from .scaler_observers import (
     default_observers,
 )
 from .scaler_state import STATE_FORMAT, STATE_FORMAT_VERSION, ScalerState
+from .step_flags import StepFlags
 from .telemetry import FP16_MAX, GradientTelemetry
+from .torch_surface import TorchGradScalerSurface, _fused_sgd_first_step, _mul_grads_, _takes_grad_scaler
+from .update_rule import UpdateRule, _RuleConstants, _world_size
 
 __all__ = ["DynamicLossScaler", "LossScaleCollapseError", "OptState", "STATE_FORMAT", "STATE_FORMAT_VERSION"]
-
-_MAX_NAMES = 8  # parameter names shown in the FP16-parameter error
 
 
 def _fresh_optimizer_state() -> dict[str, Any]:
@@ -49,28 +48,11 @@ def _tracing_or_capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-class _RuleConstants(NamedTuple):
-    """The scaler's device constants (`DynamicLossScaler._constants`): a 1.0 (`_one`) and the update
-    rule's. The counters' factors are
-    [K, A] rows (counters * K + A, see `_apply_rule`): `index` picks them from the flags [skipped,
-    loss non-finite, True]; `clean`, `skip_ok` and `skip_bad` are them for a step the host knows was
-    clean, skipped with a finite loss, skipped with a non-finite one."""
-
-    index: torch.Tensor
-    one: torch.Tensor
-    false: torch.Tensor
-    true: torch.Tensor
-    zero: torch.Tensor
-    clean: torch.Tensor
-    skip_ok: torch.Tensor
-    skip_bad: torch.Tensor
-
-
 # Why a subclass of torch's GradScaler: code that takes "a GradScaler" checks it with isinstance
 # (torch's optimizers that take `grad_scaler=`, type-checked training loops), and a drop-in must pass.
 # Nothing of torch's implementation runs: __init__ is not called and every method torch's class
 # defines is overridden here (tests/test_torch_gradscaler_contract.py holds that to the list).
-class DynamicLossScaler(torch.amp.GradScaler):
+class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp.GradScaler):
     """Loss scaler with a floor, a ceiling, hysteresis, static and off modes, and skip counters.
 
     It keeps `torch.amp.GradScaler`'s methods and call order (`scale`, `unscale_`, `step`,
@@ -197,15 +179,6 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self.config = self.config.replace(growth_interval=new_interval)
         self._clamp_growth_tracker()
 
-    def _clamp_growth_tracker(self) -> None:
-        """Keep the growth streak below the interval (a streak at or past a lowered interval grows at
-        the next clean step either way; torch's kernel needs it below, see `_torch_rule_applies`)."""
-        top = self.config.growth_interval - 1
-        if self.state.materialised:
-            self.state["_growth_tracker"].clamp_(max=top)
-        else:
-            self.state.host["_growth_tracker"] = min(self.state.host["_growth_tracker"], top)
-
     def set_parameter_names(self, named: torch.nn.Module | Iterable[tuple[str, torch.Tensor]]) -> None:
         """Name parameters (a module or `named_parameters()` pairs) for overflow and error reports."""
         self.parameter_names.add(named.named_parameters() if isinstance(named, torch.nn.Module) else named)
@@ -237,39 +210,6 @@ class DynamicLossScaler(torch.amp.GradScaler):
     def iteration(self) -> int:
         """How many times `update()` has run (restored from `total_steps` on load). Host-side."""
         return self._iteration
-
-    @property
-    def _scale(self) -> torch.Tensor | None:
-        return self.state["scale"] if self.state.materialised else None
-
-    @property
-    def _enabled(self) -> bool:
-        return self.is_enabled()
-
-    @property
-    def _growth_tracker(self) -> torch.Tensor | None:
-        return self.state["_growth_tracker"] if self.state.materialised else None
-
-    @property
-    def _init_growth_tracker(self) -> int:
-        """torch's name for the growth tracker a scaler starts from: here the current one (a sync)."""
-        return self._get_growth_tracker()
-
-    @_init_growth_tracker.setter
-    def _init_growth_tracker(self, value: int) -> None:
-        if self.state.materialised:
-            self.state["_growth_tracker"].fill_(int(value))
-        else:
-            self.state.host["_growth_tracker"] = int(value)
-        self._clamp_growth_tracker()
-
-    def _lazy_init_scale_growth_tracker(self, dev: torch.device | str) -> None:
-        if not self.state.materialised:
-            self.state.materialise(torch.device(dev))
-
-    def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
-        self._require_init(funcname)
-        return self._scale, self.state["_growth_tracker"]
 
     def _require_init(self, funcname: str) -> None:
         if not self.state.materialised:
@@ -319,159 +259,12 @@ class DynamicLossScaler(torch.amp.GradScaler):
 
         return apply(outputs)
 
-    def _note_loss(self, loss: torch.Tensor) -> None:
-        """Keep a device probe of the loss (no host sync): a non-finite loss is a forward overflow,
-        which no scale can fix. One op: `loss * 0` is 0 when the loss is finite and NaN otherwise, and
-        the gradients' overflow check reads it in the same kernel call (see `_unscale_grads_`). A
-        1-element loss on the scale's device writes it into the flags buffer (`_flag_views`)."""
-        loss = loss.detach()
-        self._drop_stale_probe()
-        if loss.device == self._scale.device and loss.numel() == 1:
-            _, _, in_buffer = self._flag_views(loss.device)
-            if self._loss_probe is None:  # the iteration's first loss
-                torch.mul(loss.reshape(()), 0, out=in_buffer)
-                self._loss_probe = in_buffer
-                return
-            if self._loss_probe is in_buffer:  # more losses (accumulation): added in place, still one op
-                self._loss_probe.add_(loss.reshape(()), alpha=0)
-                return
-        probe = loss.mul(0)
-        if probe.numel() != 1:
-            probe = probe.sum()
-        probe = probe.reshape(()).to(self._scale.device, non_blocking=True)
-        self._loss_probe = probe if self._loss_probe is None else self._loss_probe + probe
-
-    def _drop_stale_probe(self) -> None:
-        """Forget the probe of losses whose gradients were thrown away: a loss scaled in an iteration
-        that never reached `update()` (a bad batch dropped by hand: `zero_grad(); continue`) must not
-        make the next, clean step a skip, as torch's scaler steps it. Told from accumulation by a
-        parameter that had a gradient at the first step (`_grad_sentinel`): `zero_grad()` (which sets
-        gradients to None by default) left it without one, and no optimizer was unscaled or stepped
-        since. A host check of one attribute; `zero_grad(set_to_none=False)` is not seen."""
-        if (
-            self._loss_probe is not None
-            and self._grad_sentinel is not None
-            and self._grad_sentinel.grad is None
-            and not self._per_optimizer_states
-        ):
-            self._loss_probe = None
-
-    def _flag_views(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The flags buffer on `device` (made once) and its first two elements as 0-d views:
-        [found-inf flag, loss probe, 1.0]. The first optimizer's check on the scale's device writes
-        its flag into it, the first loss its probe, so that `update()` reads both with one compare of
-        the buffer (no stack of 0-d tensors). The views are made once: code that traces the scaler
-        sees the same tensors at every step."""
-        views = self._flags.get(device)
-        if views is None:
-            buffer = torch.zeros(3, device=device)  # made on the device: no copy from the host
-            buffer[2].fill_(1.0)
-            views = self._flags[device] = (buffer, buffer[0], buffer[1])
-        return views
-
-    def _new_found(self, device: torch.device) -> torch.Tensor:
-        """A zero found-inf flag on `device`: the flags buffer's, for the iteration's first check on the
-        scale's device, else a fresh one. One op either way."""
-        if device == self._scale.device and not self._found_taken:
-            self._found_taken = True
-            return self._flag_views(device)[1].zero_()
-        return torch.zeros((), dtype=torch.float32, device=device)
-
-    @property
-    def loss_finite_tensor(self) -> torch.Tensor | None:
-        """A 0-d bool device flag: were all losses `scale()` saw since the last `update()` finite?
-        None before the first `scale()` of the iteration. No sync (one device op when asked)."""
-        return None if self._loss_probe is None else self._loss_probe.eq(0)
-
     @property
     def last_backed_off(self) -> torch.Tensor | None:
         """A 0-d bool device flag: did the last update back the scale off? No sync."""
         if self._backed_off is not None and self._backed_off.dtype != torch.bool:
             self._backed_off = self._backed_off > 0  # one op, only when someone asks
         return self._backed_off
-
-    def _one(self, device: torch.device) -> torch.Tensor:
-        """A 1.0 on `device` (a fused step's divisor, the check's unit scale), made once."""
-        return self._constants(device).one
-
-    # ------------------------------------------------------------------ unscale / check
-    def _grads_by_device_and_dtype(self, optimizer: torch.optim.Optimizer, allow_fp16: bool = False):
-        grouped: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
-            lambda: defaultdict(list)
-        )
-        fp16_params = []
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                if param.grad is None:
-                    continue
-                if param.dtype == torch.float16 and not allow_fp16:
-                    fp16_params.append(self.parameter_names.name(param, optimizer))
-                    continue
-                grad = param.grad
-                if grad.is_sparse:
-                    if grad.dtype is torch.float16:
-                        param.grad = grad = grad.coalesce()
-                    grad = grad._values()
-                grouped[grad.device][grad.dtype].append(grad)
-        if fp16_params:
-            shown = ", ".join(fp16_params[:_MAX_NAMES])
-            more = f" (and {len(fp16_params) - _MAX_NAMES} more)" if len(fp16_params) > _MAX_NAMES else ""
-            raise ValueError(
-                f"{len(fp16_params)} trainable parameter(s) are held in float16: {shown}{more}. "
-                "Loss scaling needs FP32 master weights: load the model in float32 (drop "
-                "`torch_dtype=torch.float16` / `dtype=torch.float16` from from_pretrained) and let "
-                "autocast (`fp16=True` / `mixed_precision='fp16'`) run the FP16 compute, or freeze "
-                "those parameters."
-            )
-        return grouped
-
-    def _unscale_grads_(
-        self,
-        optimizer: torch.optim.Optimizer,
-        inv_scale: torch.Tensor,
-        found_inf: torch.Tensor | None = None,
-        allow_fp16: bool | None = None,
-    ) -> dict[torch.device, torch.Tensor]:
-        """Unscale in place and fill one found-inf flag per device (no host sync).
-
-        With torch's arguments (`found_inf`, `allow_fp16`, as `GradScaler._unscale_grads_` takes them,
-        for code that calls it) the flags accumulate into `found_inf` (a copy of it on other
-        devices) without this iteration's loss flag, and `allow_fp16=True` unscales gradients of
-        FP16 parameters too; by default FP16 parameters are refused with an explanation.
-        """
-        found: dict[torch.device, torch.Tensor] = {}
-        inv: dict[torch.device, torch.Tensor] = {}
-
-        def flag_for(device: torch.device) -> torch.Tensor:
-            if found_inf is None:
-                return self._new_found(device)
-            return found_inf if found_inf.device == device else found_inf.to(device, non_blocking=True)
-
-        # the loss probe (0, or NaN after a non-finite loss) joins its device's check: the step is then
-        # skipped whatever the gradients hold, at no extra op (our private tensor: unscaling it is harmless)
-        probe = self._loss_probe if found_inf is None else None
-        for observer in self._watchers():
-            observer.before_unscale(self, optimizer)
-        with torch.no_grad():
-            grouped = self._grads_by_device_and_dtype(optimizer, bool(allow_fp16))
-            if probe is not None:
-                grouped[probe.device][probe.dtype] = [*grouped[probe.device][probe.dtype], probe]
-            for device, per_dtype in grouped.items():
-                if device not in found:
-                    found[device] = flag_for(device)
-                    inv[device] = inv_scale.to(device, non_blocking=True)
-                for grads in per_dtype.values():
-                    torch._amp_foreach_non_finite_check_and_unscale_(grads, found[device], inv[device])
-        if not found:  # no gradients and no loss: a clean flag on the scale's device
-            home = self._scale.device if self._scale is not None else inv_scale.device
-            found[home] = flag_for(home)
-        if self._found_inf_group is not None:
-            import torch.distributed as dist
-
-            flag = torch.stack([f.reshape(()).to(self._scale.device) for f in found.values()]).amax()
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._found_inf_group)
-            found = {flag.device: flag}
-        return found
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the scale, in place, and check them for inf/NaN.
@@ -496,16 +289,6 @@ class DynamicLossScaler(torch.amp.GradScaler):
         state["stage"] = OptState.UNSCALED
         if self.config.at_min_scale == "clamp":
             self._clamp_at_floor(optimizer, state)
-
-    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
-        """Check for inf/NaN without unscaling (fused optimizers unscale inside their kernel)."""
-        self._require_init("step")
-        found = self._unscale_grads_(optimizer, self._one(self._scale.device))
-        self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
-        return found
-
-    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
-        return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
 
     def _found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         flags = list(self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
@@ -590,14 +373,6 @@ class DynamicLossScaler(torch.amp.GradScaler):
         state["host_skipped"] = skipped
         state["stage"] = OptState.STEPPED
         return retval
-
-    def _maybe_opt_step(
-        self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any
-    ) -> Any:
-        """torch's helper: step unless a found-inf flag is set (reads the flags: one host sync)."""
-        if not sum(v.item() for v in optimizer_state["found_inf_per_device"].values()):
-            return optimizer.step(*args, **kwargs)
-        return None
 
     def _step_clamping(
         self, optimizer: torch.optim.Optimizer, state: dict[str, Any], args: tuple, kwargs: dict
@@ -824,157 +599,6 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
         self._notify_update(rule_applied=True)
 
-    def _all_ranks_loss_flag(self, loss_bad: torch.Tensor | None) -> torch.Tensor:
-        """Whether any rank's loss was non-finite: one 1-element all-reduce (MAX) on the device, no host
-        sync. Under DDP one rank's non-finite loss makes every rank's gradients non-finite; without
-        this, that rank would spare the scale while the others back off, and the replicas' scales (and
-        later their skips) would drift apart. Every rank takes part, with 0 when it saw no loss."""
-        import torch.distributed as dist
-
-        if loss_bad is None:
-            flag = torch.zeros((), dtype=torch.float32, device=self._scale.device)
-        else:
-            flag = loss_bad.to(torch.float32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._found_inf_group)
-        return flag > 0
-
-    def _apply_rule(
-        self, found: torch.Tensor, loss_bad: torch.Tensor | None = None, bits: torch.Tensor | None = None
-    ) -> None:
-        """The update rule on the device tensors; `found` is a 0-d bool tensor (the step was skipped),
-        `loss_bad` whether a loss of the iteration was non-finite (None: no loss was seen); `bits`, when
-        the caller has it, the bool vector [found, loss_bad, True].
-
-        A skip whose loss was non-finite is a forward overflow: unless `backoff_on_nonfinite_loss`,
-        it leaves the scale and the trackers as they were (no scale can fix it).
-
-        Device ops are kept few (each is a kernel launch on a GPU): the five counters advance together
-        (`ScalerState.counters`: x K + A, with K and A picked from the step's flags in one index op),
-        and where the rule is torch's (`_torch_rule_applies`) the scale and growth tracker move with
-        torch's own `_amp_update_scale_` kernel and one clamp.
-        """
-        c, s = self.config, self.state
-        bad = loss_bad if loss_bad is not None else torch.zeros_like(found)
-        # flags = [skipped, loss non-finite, 1]; K = flags[[0, 1, 2, 2, 2]], A = flags[[0, 1, 2, 0, 1]]:
-        # consecutive = (consecutive + 1) * flag, total += 1, skipped += flag, nonfinite += flag
-        k = self._constants(found.device)
-        if bits is None:
-            bits = torch.stack([found, bad, k.true])
-        factors = bits[k.index]  # bool: multiplying and adding them into the int64 counters promotes
-        torch.addcmul(factors[1], s.counters, factors[0], out=s.counters)  # counters * K + A, one op
-        s.replace("last_step_skipped", found)  # a fresh tensor each update: holders keep a snapshot
-        self.last_loss_nonfinite = loss_bad
-        self._backed_off = None
-        if c.mode != "dynamic":
-            return
-        neutral = None if loss_bad is None or c.backoff_on_nonfinite_loss else loss_bad
-        if self._torch_rule_applies():
-            # the backoff decision: a skip that is not a forward overflow (skipped > loss non-finite)
-            overflow = torch.gt(bits[0], bits[1], out=self._overflow_buffer()) if neutral is not None else (
-                found.to(torch.float32))  # fmt: skip
-            if neutral is not None:  # a forward overflow neither advances nor resets the growth streak:
-                # (the kernel's +1 for a clean step brings it back)
-                s["_growth_tracker"].add_(bits[1], alpha=-1)
-            torch._amp_update_scale_(
-                s["scale"],
-                s["_growth_tracker"],
-                overflow,
-                c.growth_factor,
-                c.backoff_factor,
-                c.growth_interval,
-            )
-            s["scale"].clamp_(c.min_scale, c.max_scale)
-            self._backed_off = overflow
-            return
-        scale, growth, hyst = s["scale"], s["_growth_tracker"], s["_hysteresis_tracker"]
-        overflow = found if neutral is None else found & ~neutral
-        growth_after = torch.where(overflow, 0, growth + 1)
-        if neutral is not None:  # a forward overflow neither resets nor advances the growth streak
-            growth_after = torch.where(neutral, growth, growth_after)
-        grow = growth_after >= c.growth_interval
-        if c.hysteresis == 1:  # a budget of one: every overflow backs off, the tracker stays full
-            back_off = overflow
-        else:
-            hyst_after_overflow = (hyst - 1).clamp_(min=0)
-            back_off = overflow & (hyst_after_overflow == 0)
-        self._backed_off = back_off
-        # Compute in float64 and round once, as torch's _amp_update_scale_ kernels do.
-        grown = (scale.double() * c.growth_factor).clamp_(max=c.max_scale).float()
-        backed = (scale.double() * c.backoff_factor).clamp_(min=c.min_scale).float()
-        scale.copy_(torch.where(back_off, backed, torch.where(grow, grown, scale)))
-        growth.copy_(torch.where(grow, 0, growth_after))
-        if c.hysteresis > 1:
-            refill = grow | (~found) if c.consecutive_hysteresis else grow
-            hyst.copy_(torch.where(overflow, hyst_after_overflow, torch.where(refill, c.hysteresis, hyst)))
-
-    def _apply_known_rule(self, device: torch.device, skipped: bool, probe: torch.Tensor | None) -> None:
-        """`_apply_rule` for a step whose skip the host already knows (the non-fused path reads the
-        flag), where the rule is torch's: constants stand in for the flags. A clean step had a finite
-        loss (the probe joined the check): fixed counters' factors (streaks end, one more step) and a
-        zero backoff flag, three ops (static mode: one). A skipped one: only whether its loss was
-        non-finite comes from the device (the probe: 0 or NaN); it picks one of two factor pairs (K, A
-        for [1, b, 1]: see `_apply_rule`) and, where such a skip is neutral, clears the backoff flag:
-        seven ops with a probe (the general branch: eight), three without."""
-        c, s, k = self.config, self.state, self._constants(device)
-        if not skipped:
-            loss_bad, factors, overflow = (k.false if probe is not None else None), k.clean, k.zero
-        else:
-            loss_bad = None if probe is None else probe.ne(0)
-            factors = k.skip_ok if loss_bad is None else torch.where(loss_bad, k.skip_bad, k.skip_ok)
-            overflow = self._one(device)
-        torch.addcmul(factors[1], s.counters, factors[0], out=s.counters)
-        s.replace("last_step_skipped", k.true if skipped else k.false)  # constants nobody writes to
-        self.last_loss_nonfinite = loss_bad
-        self._backed_off = None
-        if c.mode != "dynamic":
-            return
-        if skipped and loss_bad is not None and not c.backoff_on_nonfinite_loss:  # a neutral skip
-            overflow = torch.eq(loss_bad, False, out=self._overflow_buffer())
-            s["_growth_tracker"].add_(loss_bad, alpha=-1)  # (the kernel's +1 for "no overflow" undone)
-        torch._amp_update_scale_(
-            s["scale"], s["_growth_tracker"], overflow, c.growth_factor, c.backoff_factor, c.growth_interval
-        )
-        s["scale"].clamp_(c.min_scale, c.max_scale)
-        self._backed_off = overflow if skipped else k.false
-
-    def _constants(self, device: torch.device) -> _RuleConstants:
-        """The scaler's constants on `device`, made once (at the first step that needs one)."""
-        found = self._rule_constants.get(device)
-        if found is None:
-
-            def tensor(value, dtype=None):
-                return torch.tensor(value, dtype=dtype, device=device)
-
-            found = self._rule_constants[device] = _RuleConstants(
-                index=tensor([[0, 1, 2, 2, 2], [0, 1, 2, 0, 1]]),
-                one=tensor(1.0, torch.float32),
-                false=tensor(False),
-                true=tensor(True),
-                zero=tensor(0.0, torch.float32),
-                clean=tensor([[0, 0, 1, 1, 1], [0, 0, 1, 0, 0]]),
-                skip_ok=tensor([[1, 0, 1, 1, 1], [1, 0, 1, 1, 0]]),
-                skip_bad=tensor([[1, 1, 1, 1, 1], [1, 1, 1, 1, 1]]),
-            )
-        return found
-
-    def _overflow_buffer(self) -> torch.Tensor:
-        return torch.empty((), dtype=torch.float32, device=self._scale.device)
-
-    def _torch_rule_applies(self) -> bool:
-        """Whether torch's `_amp_update_scale_` kernel computes this config's rule exactly: no hysteresis
-        (a budget of one overflow: every overflow backs off, the tracker stays full), power-of-two
-        factors (exact in FP32 as in FP64), and a ceiling whose growth stays finite in FP32 (the kernel
-        keeps a scale whose growth overflows; ours clamps to the ceiling, which is then the same). The
-        growth tracker is kept below the interval (`_clamp_growth_tracker`), since the kernel grows
-        only when the streak *equals* the interval."""
-        c = self.config
-        return (
-            c.hysteresis == 1
-            and _power_of_two(c.growth_factor)
-            and _power_of_two(c.backoff_factor)
-            and c.max_scale * c.growth_factor <= SCALE_MAX
-        )
-
     def _set_scale(self, new_scale: float | torch.Tensor) -> None:
         if isinstance(new_scale, torch.Tensor):
             if new_scale.numel() != 1 or new_scale.requires_grad:
@@ -1037,20 +661,11 @@ class DynamicLossScaler(torch.amp.GradScaler):
         self._catch_up()
         return self.skip_watch.resolve() if self.skip_watch is not None else []
 
-    # ------------------------------------------------------------------ reading state
-    def _get_scale_async(self) -> torch.Tensor | None:
-        return self._scale
-
     def get_scale(self) -> float:
         """The current scale as a Python float (1.0 in `"off"` mode). Synchronises with the device."""
         if not self.is_enabled():
             return 1.0
         return self.state.host["scale"] if self._scale is None else self._scale.item()
-
-    def _get_growth_tracker(self) -> int:
-        if not self.state.materialised:
-            return self.state.host["_growth_tracker"]
-        return self.state["_growth_tracker"].item()
 
     @property
     def step_skipped_tensor(self) -> torch.Tensor | None:
@@ -1139,71 +754,6 @@ class DynamicLossScaler(torch.amp.GradScaler):
 
     def __repr__(self) -> str:
         return f"DynamicLossScaler({self.config!r}, device={self.device})"
-
-
-def _world_size(group: Any = None) -> int:
-    """The number of ranks in `group` (the world by default); 1 without an initialised process group."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(group)
-
-
-def _fused_sgd_first_step(optimizer: torch.optim.Optimizer) -> bool:
-    """A fused SGD with momentum whose momentum buffers do not exist yet (its first step)."""
-    if not isinstance(optimizer, torch.optim.SGD):
-        return False
-    return any(
-        group.get("fused")
-        and group["momentum"] != 0
-        and any(
-            p.grad is not None and "momentum_buffer" not in optimizer.state.get(p, {})
-            for p in group["params"]
-        )
-        for group in optimizer.param_groups
-    )
-
-
-def _mul_grads_(grouped: dict, factor: torch.Tensor, foreach: bool | None) -> None:
-    """Multiply gradients grouped by device and dtype by a 0-d tensor, in place, as torch's
-    `clip_grads_with_norm_` does (foreach where supported, else tensor by tensor)."""
-    from torch.utils._foreach_utils import _device_has_foreach_support, _has_foreach_support
-
-    for device, per_dtype in grouped.items():
-        f = factor.to(device, non_blocking=True)
-        for grads in per_dtype.values():
-            if (foreach is None and _has_foreach_support(grads, device)) or (
-                foreach and _device_has_foreach_support(device)
-            ):
-                torch._foreach_mul_(grads, f)
-            elif foreach:
-                raise RuntimeError(
-                    f"foreach=True was passed, but can't use the foreach API on {device.type} tensors"
-                )
-            else:
-                for g in grads:
-                    g.mul_(f)
-
-
-def _takes_grad_scaler(step: Any) -> bool:
-    """Whether an optimizer's `step` takes `grad_scaler=` (torch's older contract); the signature is
-    read once per step function, not on every step."""
-    func = getattr(step, "__func__", step)
-    try:
-        return _signature_takes_grad_scaler(func)
-    except TypeError:  # an unhashable callable: read its signature each time
-        return "grad_scaler" in inspect.signature(func).parameters
-
-
-@functools.lru_cache(maxsize=64)
-def _signature_takes_grad_scaler(func: Any) -> bool:
-    return "grad_scaler" in inspect.signature(func).parameters
-
-
-def _power_of_two(x: float) -> bool:
-    mantissa, _ = math.frexp(x)
-    return x > 0 and mantissa == 0.5
 
 
 def _torch_ceiling(overrides: dict[str, Any]) -> dict[str, Any]:
