@@ -136,8 +136,8 @@ def test_environment_variables_are_read_exactly_and_errors_name_their_sources():
     assert resolve_config(environ={"HF_LOSSSCALE_GROWTH_INTERVAL": "1e3"}).growth_interval == 1000
     with pytest.raises(ValueError) as err:
         resolve_config(environ={"HF_LOSSSCALE_MIN_SCALE": "1e9"})
-    assert "min_scale by environment variable HF_LOSSSCALE_MIN_SCALE" in str(err.value)
-    assert "max_scale by default" in str(err.value)
+    assert "min_scale set by environment variable HF_LOSSSCALE_MIN_SCALE" in str(err.value)
+    assert "max_scale at its default" in str(err.value)
 
 
 def test_scale_takes_a_generator_of_losses_as_torchs_scaler_does():
@@ -183,3 +183,44 @@ def test_a_dropped_iteration_does_not_skip_the_next_clean_step(fused):
     scaler.step(opt)
     scaler.update()
     assert scaler.stats()["skipped_steps"] == 1
+
+
+def test_a_frozen_fp16_module_runs_in_fp32_with_fp32_copies():
+    """A LoRA-style frozen FP16 base module listed in fp32_modules (or moved there by "auto" mid-run).
+    Bug caught: its FP32 inputs met its FP16 weights ("mat1 and mat2 must have the same dtype")."""
+    from hf_lossscale.fp16.fp32_modules import run_in_fp32
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4).half().requires_grad_(False), torch.nn.Linear(4, 2))
+    run_in_fp32(model, ["0"])
+    x = torch.randn(3, 4)
+    out = model(x)
+    w = model[0].weight.float()
+    torch.testing.assert_close(out, model[1](torch.nn.functional.linear(x, w, model[0].bias.float())))
+    out.sum().backward()
+    assert model[1].weight.grad is not None and model[0].weight.grad is None
+    assert model[0].weight.dtype == torch.float16  # the module keeps its FP16 weights
+    trainable = torch.nn.Linear(4, 2).half()  # a trainable FP16 module gets its gradient through the cast
+    run_in_fp32(torch.nn.Sequential(trainable), ["0"])
+    trainable(x).sum().backward()
+    assert trainable.weight.grad.dtype == torch.float16
+
+
+def test_auto_does_not_move_a_module_that_runs_in_fp32_already():
+    """Bug caught: "auto" re-added a module configured (or kept by the model) in FP32, said it moved,
+    and counted it against max_auto_fp32_modules."""
+    from hf_lossscale.fp16.fp32_modules import run_in_fp32
+    from hf_lossscale.integrations.callbacks import OverflowDiagnosisCallback
+
+    model = torch.nn.Sequential(torch.nn.Sequential(torch.nn.Linear(2, 2)), torch.nn.Linear(2, 2))
+    run_in_fp32(model, ["0"])
+    scaler = DynamicLossScaler(fp32_modules="auto", max_auto_fp32_modules=1)
+    callback = OverflowDiagnosisCallback(trainer=None)
+    callback._move_to_fp32(scaler, model, "0.0", step=3)  # inside the configured FP32 module
+    assert scaler.state.fp32_modules == []
+    assert (
+        callback.events[-1]["event"] == "fp32_module_refused"
+        and "FP32 already" in callback.events[-1]["reason"]
+    )
+    callback._move_to_fp32(scaler, model, "1", step=4)  # the cap is still free for a real move
+    assert scaler.state.fp32_modules == ["1"] and callback.events[-1]["event"] == "fp32_module_added"

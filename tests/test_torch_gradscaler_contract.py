@@ -23,6 +23,7 @@ def test_is_a_torch_gradscaler_that_runs_none_of_torchs_code():
     assert (
         "_unscale_grads_" in torch_methods and "__getstate__" in torch_methods
     )  # the list is torch's, read live
+
     def owner(name):  # the class that defines what DynamicLossScaler.<name> resolves to
         return next(k for k in DynamicLossScaler.__mro__ if name in vars(k))
 

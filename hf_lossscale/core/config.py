@@ -616,7 +616,9 @@ def resolve_config(
         # max_scale, say) names both, the one a variable set and the one left at its default.
         text = str(err)
         mentioned = [n for n in LossScaleConfig.field_names() if re.search(rf"(?<![\w]){n}(?![\w])", text)]
-        sources = [f"{n} by {layers[n][1]}" if n in layers else f"{n} by default" for n in mentioned]
-        if any(n in layers for n in mentioned):
-            text += f" (set: {'; '.join(sources)})"
+        if len(mentioned) == 1 and mentioned[0] in layers:
+            text += f" (set by {layers[mentioned[0]][1]})"
+        elif any(n in layers for n in mentioned):
+            parts = [f"{n} set by {layers[n][1]}" if n in layers else f"{n} at its default" for n in mentioned]
+            text += f" ({'; '.join(parts)})"
         raise ValueError(text) from None

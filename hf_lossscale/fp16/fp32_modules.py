@@ -31,6 +31,7 @@ __all__ = [
     "runs_in_fp32",
     "unwrap",
     "fp32_module_names",
+    "ancestors",
     "upcast",
 ]
 
@@ -100,6 +101,7 @@ class _FP32Forward:
     def __init__(self, module: torch.nn.Module, inner: Any = None) -> None:
         self.module = module
         self.inner = inner  # a forward set on the instance before ours (None: the class's)
+        self._with_copies = False  # inside functional_call with FP32 copies of half weights
 
     def _target(self) -> Any:
         return self.inner if self.inner is not None else type(self.module).forward.__get__(self.module)
@@ -110,8 +112,25 @@ class _FP32Forward:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         module = self.module
+        if self._with_copies:  # the FP32 copies are in place (below): run the module's own forward
+            return self._target()(*args, **kwargs)
         with _no_autocast(_device_type(module, args, kwargs)):
-            return self._target()(*upcast(args), **upcast(kwargs))
+            args, kwargs = upcast(args), upcast(kwargs)
+            # Half-precision weights (a frozen FP16 base, a model loaded in FP16) compute as FP32 copies,
+            # made per call: a matmul of FP32 inputs with FP16 weights would fail. Gradients reach the
+            # half weights through the casts; frozen ones get none.
+            half = {
+                name: tensor.float()
+                for name, tensor in (*module.named_parameters(), *module.named_buffers())
+                if tensor.dtype in (torch.float16, torch.bfloat16)
+            }
+            if not half:
+                return self._target()(*args, **kwargs)
+            self._with_copies = True
+            try:
+                return torch.func.functional_call(module, half, args, kwargs, strict=False)
+            finally:
+                self._with_copies = False
 
 
 def _wrap(module: torch.nn.Module) -> None:
@@ -144,7 +163,7 @@ def run_in_fp32(
     named = dict(model.named_modules())
     wrapped = []
     for name in sorted({n for names in hits.values() for n in names}):
-        if any(getattr(named[p], _FLAG, False) for p in _ancestors(name)):
+        if any(getattr(named[p], _FLAG, False) for p in ancestors(name)):
             continue  # already inside an FP32 module
         if not getattr(named[name], _FLAG, False):
             _wrap(named[name])
@@ -152,7 +171,7 @@ def run_in_fp32(
     return wrapped
 
 
-def _ancestors(name: str) -> list[str]:
+def ancestors(name: str) -> list[str]:
     parts = name.split(".")
     return [".".join(parts[:i]) for i in range(1, len(parts))]
 

@@ -31,7 +31,7 @@ from ..core.scaler import DynamicLossScaler, LossScaleCollapseError
 from ..core.scaler_observers import nonfinite_flags
 from ..core.telemetry import ActivationGradientProbe, module_key
 from ..fp16.emulation import measure_flushed_fraction
-from ..fp16.fp32_modules import fp32_module_names, run_in_fp32
+from ..fp16.fp32_modules import ancestors, fp32_module_names, run_in_fp32, runs_in_fp32
 from .accelerate_hook import effective_mixed_precision, plain_forward
 
 __all__ = [
@@ -350,6 +350,17 @@ class OverflowDiagnosisCallback(TrainerCallback):
                            "forward, outside its submodules; nothing to move to FP32.")  # fmt: skip
             return
         if origin in moved:
+            return
+        named = dict(model.named_modules())
+        if origin in named and any(
+            runs_in_fp32(named[n]) for n in (origin, *ancestors(origin)) if n in named
+        ):
+            # configured, or the model's own `_keep_in_fp32_modules`: it runs in FP32 already, so the
+            # overflow is in its FP32 output or after it; moving it again would change nothing
+            self._write({"event": "fp32_module_refused", "step": step, "module": origin,
+                         "reason": "it runs in FP32 already"})  # fmt: skip
+            logger.warning("hf_lossscale: fp32_modules='auto': `%s` overflowed but runs in FP32 already; "
+                           "nothing to move.", origin)  # fmt: skip
             return
         cap = scaler.config.max_auto_fp32_modules
         if len(moved) >= cap:
