@@ -1,6 +1,7 @@
 """Defects reproduced from outside (issue 37): each test fails on the code before its fix."""
 
 import copy
+import json
 import pickle
 from pathlib import Path
 
@@ -224,3 +225,70 @@ def test_auto_does_not_move_a_module_that_runs_in_fp32_already():
     )
     callback._move_to_fp32(scaler, model, "1", step=4)  # the cap is still free for a real move
     assert scaler.state.fp32_modules == ["1"] and callback.events[-1]["event"] == "fp32_module_added"
+
+
+def _text(tmp_path):
+    text = tmp_path / "train.txt"
+    text.write_text("\n".join(f"the quick brown fox {i} jumps over the lazy dog again" for i in range(200)))
+    return text
+
+
+def test_preflight_refuses_bad_options_before_loading_or_measuring(tmp_path):
+    """Bugs caught: `--steps 0` said "Not enough text"; an empty --train_file gave a raw
+    DatasetGenerationError; an unwritable --output_json failed only after the measurement."""
+    from hf_lossscale.tools.cli import main
+
+    text, empty = _text(tmp_path), tmp_path / "empty.txt"
+    empty.write_text("\n \n")
+    base = ["preflight", "--model_name_or_path", str(tmp_path / "no-model-needed"), "--block_size", "16"]
+    with pytest.raises(SystemExit, match="--steps 0"):
+        main([*base, "--train_file", str(text), "--steps", "0"])
+    with pytest.raises(SystemExit, match="holds no text"):
+        main([*base, "--train_file", str(empty)])
+    with pytest.raises(SystemExit, match="cannot write there"):
+        main([*base, "--train_file", str(text), "--output_json", str(tmp_path / "missing" / "p.json")])
+
+
+def test_preflight_exits_2_when_the_overflow_is_in_the_models_own_forward(monkeypatch, capsys):
+    """An overflow that starts outside every submodule (the model's own forward or its loss) is still
+    an FP16 overflow. Bug caught: "no overflow" and exit 0 (the docs promise 2)."""
+    from hf_lossscale.fp16 import preflight as pf
+    from hf_lossscale.tools.cli import main
+
+    class OwnForward(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return (self.lin(x) * 1e6).pow(2).mean()  # above 65504 in the model's own code
+
+    torch.manual_seed(0)
+    result = pf.preflight(OwnForward(), [torch.randn(2, 4)], lambda m, b: m(b))
+    assert result["overflow_outside_modules"] and result["suggested_fp32_modules"] == []
+    assert "model's own forward" in pf.format_preflight(result)
+    monkeypatch.setattr(pf, "run", lambda opts: result)
+    assert main(["preflight", "--model_name_or_path", "x", "--train_file", "y"]) == 2
+
+
+def test_preflight_measures_a_classifier_checkpoint_as_a_classifier(tmp_path, capsys):
+    """Bug caught: a sequence-classification checkpoint was loaded as an MLM (its head reported
+    missing / unexpected), where run_glue.py users load the checkpoint's own architecture."""
+    from tiny_models import minilm_path, tiny_bert_config
+    from transformers import AutoTokenizer, BertForSequenceClassification
+
+    from hf_lossscale.tools.cli import main
+
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    torch.manual_seed(0)
+    model = BertForSequenceClassification(tiny_bert_config(vocab_size=tokenizer.vocab_size, num_labels=3))
+    model.save_pretrained(tmp_path / "clf")
+    tokenizer.save_pretrained(tmp_path / "clf")
+    out = tmp_path / "p.json"
+    code = main(["preflight", "--model_name_or_path", str(tmp_path / "clf"), "--objective", "mlm",
+                 "--train_file", str(_text(tmp_path)), "--block_size", "16", "--steps", "1",
+                 "--output_json", str(out)])  # fmt: skip
+    printed = capsys.readouterr()
+    assert code == 0 and "sequence classifier" in printed.out
+    assert "MISSING" not in printed.out + printed.err and "UNEXPECTED" not in printed.out + printed.err
+    assert any(name.startswith("classifier") for name in json.loads(out.read_text())["modules"])

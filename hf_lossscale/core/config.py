@@ -619,6 +619,8 @@ def resolve_config(
         if len(mentioned) == 1 and mentioned[0] in layers:
             text += f" (set by {layers[mentioned[0]][1]})"
         elif any(n in layers for n in mentioned):
-            parts = [f"{n} set by {layers[n][1]}" if n in layers else f"{n} at its default" for n in mentioned]
+            parts = [
+                f"{n} set by {layers[n][1]}" if n in layers else f"{n} at its default" for n in mentioned
+            ]
             text += f" ({'; '.join(parts)})"
         raise ValueError(text) from None

@@ -145,6 +145,9 @@ def preflight(
         "margin_bits": margin_bits,
         "modules": modules,
         "overflow_in_fp16": origins,
+        # a forward overflow no module move fixes: it starts in the model's own forward (outside its
+        # submodules) or in the loss (origin "")
+        "overflow_outside_modules": any(not o.get("origin") for o in origins),
         "suggested_fp32_modules": _outermost([o["origin"] for o in origins if o.get("origin")]),
         "suggested_init_scale": init_scale,
         "grad_max": grad_max,
@@ -214,7 +217,9 @@ def format_preflight(r: dict[str, Any], rows: int = 12) -> str:
         f"- Activations above 65504 in FP32: {len(over)} module(s){': ' + ', '.join(over) if over else ''}.",
         f"- Within {r['near_bits']:g} bits of 65504: {len(near)} module(s){': ' + ', '.join(near) if near else ''}.",
         "- FP16 forward (replayed, moving each origin to FP32 in turn): "
-        + (f"overflows, starting in {origins}." if origins else "no overflow."),
+        + (f"overflows, starting in {origins}." if origins else "" if r.get("overflow_outside_modules") else "no overflow.")
+        + (" Overflows in the model's own forward (outside its submodules) or in the loss: no module to move "
+           "to FP32 fixes it; compute the loss in FP32 or lower the logits' range." if r.get("overflow_outside_modules") else ""),
         f"- Suggested fp32_modules: {r['suggested_fp32_modules'] or 'none'}"
         + (f"  (--loss_scale_fp32_modules {','.join(r['suggested_fp32_modules'])}, or 'auto')" if r["suggested_fp32_modules"] else ""),
         f"- Suggested initial scale: 2^{k} = {r['suggested_init_scale']:g} (largest gradient {r['grad_max']:.3g}, "
@@ -238,17 +243,57 @@ def add_preflight_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def check_options(opts: argparse.Namespace) -> None:
+    """What can be refused before a model is loaded: the step count, the text file, the output path."""
+    import os
+
+    if opts.steps < 1:
+        raise SystemExit(f"--steps {opts.steps}: preflight measures at least 1 batch.")
+    if opts.train_file:
+        try:
+            with open(opts.train_file, encoding="utf-8", errors="replace") as f:
+                has_text = any(line.strip() for line in f)
+        except OSError as err:
+            raise SystemExit(f"--train_file {opts.train_file}: {err.strerror}.") from None
+        if not has_text:
+            raise SystemExit(f"--train_file {opts.train_file} holds no text (empty, or blank lines only).")
+    if opts.output_json:
+        folder = os.path.dirname(os.path.abspath(opts.output_json))
+        target = opts.output_json if os.path.exists(opts.output_json) else folder
+        if not os.path.isdir(folder) or not os.access(target, os.W_OK):
+            raise SystemExit(
+                f"--output_json {opts.output_json}: cannot write there (checked before measuring)."
+            )
+
+
+def own_objective(model_name_or_path: str, objective: str) -> str:
+    """The objective the checkpoint was saved for, as `run_glue.py` loads a classifier: a checkpoint
+    whose config's `architectures` is a sequence classifier is measured as one ("cls", its own head
+    and labels), whatever `--objective` says (a word is printed)."""
+    from transformers import AutoConfig
+
+    archs = getattr(AutoConfig.from_pretrained(model_name_or_path), "architectures", None) or []
+    if any(a.endswith("ForSequenceClassification") for a in archs) and objective != "cls":
+        print(
+            f"{model_name_or_path} is a sequence classifier ({archs[0]}): measured as one, with its own head."
+        )
+        return "cls"
+    return objective
+
+
 def run(opts: argparse.Namespace) -> dict[str, Any]:
     from transformers import DataCollatorForLanguageModeling
 
     from .advise import load_blocks
     from .underflow import load_for_objective
 
-    tokenizer, model = load_for_objective(opts.model_name_or_path, opts.objective, opts.seed)
+    check_options(opts)
+    objective = own_objective(opts.model_name_or_path, opts.objective)
+    tokenizer, model = load_for_objective(opts.model_name_or_path, objective, opts.seed)
     blocks = load_blocks(opts, tokenizer)
     bs = opts.per_device_train_batch_size
     collator = (
-        DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15) if opts.objective == "mlm" else None
+        DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15) if objective == "mlm" else None
     )
     torch.manual_seed(opts.seed)
     batches = []
@@ -256,6 +301,9 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         chunk = blocks[(step * bs) % len(blocks) : (step * bs) % len(blocks) + bs]
         if collator is not None:
             batches.append(dict(collator([{"input_ids": c} for c in chunk])))
+        elif objective == "cls":  # labels alternate over the checkpoint's own classes, as the underflow map's
+            labels = torch.arange(step * bs, step * bs + len(chunk)) % model.config.num_labels
+            batches.append({"input_ids": torch.tensor(chunk), "labels": labels})
         else:
             ids = torch.tensor(chunk)
             batches.append({"input_ids": ids, "labels": ids.clone()})
@@ -268,7 +316,7 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         margin_bits=opts.margin_bits, max_modules=opts.max_modules,
     )  # fmt: skip
     result["model"] = opts.model_name_or_path
-    print(f"Pre-flight of {opts.model_name_or_path} ({opts.objective}, {opts.steps} batches of {bs}x{opts.block_size} "
+    print(f"Pre-flight of {opts.model_name_or_path} ({objective}, {opts.steps} batches of {bs}x{opts.block_size} "
           f"tokens; FP32 passes and FP16 {'emulated' if next(model.parameters()).device.type == 'cpu' else 'autocast'} "
           "replays):")  # fmt: skip
     print(format_preflight(result))

@@ -122,7 +122,8 @@ def load_for_objective(model_name_or_path: str, objective: str, seed: int = 0):
     config = AutoConfig.from_pretrained(model_name_or_path)
     if objective == "clm" and config.model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
         config.is_decoder = True
-    if objective == "cls":
+    own_classifier = any(a.endswith("ForSequenceClassification") for a in (config.architectures or []))
+    if objective == "cls" and not own_classifier:  # a fresh 2-label head; a classifier keeps its own
         config.num_labels = 2
     auto = {
         "clm": AutoModelForCausalLM,

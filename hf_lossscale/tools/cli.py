@@ -119,7 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         from ..fp16.preflight import run as run_preflight
 
         result = run_preflight(opts)
-        return 2 if result["suggested_fp32_modules"] else 0
+        # 2: the FP16 forward overflows (a module to move, or the model's own forward / the loss)
+        return 2 if result["suggested_fp32_modules"] or result["overflow_outside_modules"] else 0
     if opts.command == "precision":
         from ..fp16.precision import check
         from ..fp16.precision import run as run_precision
