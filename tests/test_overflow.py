@@ -596,3 +596,48 @@ def test_trainer_resume_keeps_the_modules_auto_moved(tmp_path):
     assert after[0]["resumed"] and after[0]["fp32_modules"] == ["bert.encoder.layer.1.attention.self"]
     assert not [e for e in after if e["event"] in ("overflow", "fp32_module_added")]
     assert resumed.loss_scaler.stats()["skipped_steps"] == 2  # the first run's two, none after
+
+
+def test_a_replay_that_fails_says_so_keeps_its_budget_and_replays_at_the_steps_own_scale(
+    tmp_path, monkeypatch
+):
+    """A backward overflow at the floor (scale 1 = min_scale: the backoff's clamp leaves it at 1), whose
+    replay raises (as reentrant gradient checkpointing does). Bugs caught: reported as "not reproduced
+    (transient)" with the one backward replay spent; and the replay run at twice the step's scale
+    (rebuilt from the scale after the update as if the backoff had halved it)."""
+    from hf_lossscale import LossScaleTrainer, LossScaleTrainingArguments
+    from hf_lossscale.core.events import read_events
+    from hf_lossscale.integrations import callbacks
+
+    class Overflowing(LossScaleTrainer):
+        def training_step(self, model, inputs, num_items_in_batch=None):
+            loss = super().training_step(model, inputs, num_items_in_batch)
+            if self.state.global_step == 1:
+                model.classifier.weight.grad.fill_(float("inf"))
+            return loss
+
+    scales = []
+
+    def failing_replay(model, batches, loss_fn, *, context, scale, rng_states):
+        scales.append(scale)
+        raise RuntimeError("checkpointing is not compatible with .grad()")
+
+    monkeypatch.setattr(callbacks, "find_overflow_origin", failing_replay)
+    _, plain = overflowing_bert()
+    targs = LossScaleTrainingArguments(
+        str(tmp_path), fp16=True, max_steps=3, per_device_train_batch_size=4, report_to=[], save_strategy="no",
+        disable_tqdm=True, logging_steps=1, loss_scale_init=1.0, loss_scale_min=1.0,
+    )  # fmt: skip
+    trainer = Overflowing(model=plain, args=targs, train_dataset=tiny_classification_dataset())
+    diagnosis = next(
+        c for c in trainer.callback_handler.callbacks if isinstance(c, callbacks.OverflowDiagnosisCallback)
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.train()
+    overflow = [e for e in read_events(tmp_path / "loss_scale_log.jsonl") if e["event"] == "overflow"]
+    assert len(overflow) == 1 and overflow[0]["diagnosis"].startswith(
+        "replay failed: RuntimeError: checkpointing"
+    )
+    assert diagnosis.backward_replays == 0  # the budget is kept for a replay that can run
+    assert scales == [1.0]  # the step ran at 1 (the floor), not 2

@@ -220,6 +220,8 @@ class OverflowDiagnosisCallback(TrainerCallback):
         self._batches: list[tuple[tuple, dict]] = []
         self._rng_states: list[dict[str, Any]] = []
         self._replaying = False  # the replay's own forwards are not batches to keep
+        self._step_scale_seen: torch.Tensor | None = None
+        self._replay_error: str | None = None
         self._handles: list[Any] = []
 
     def _watch_loss(self, module, args, output):
@@ -232,6 +234,10 @@ class OverflowDiagnosisCallback(TrainerCallback):
         if module.training and torch.is_grad_enabled() and not self._replaying:
             # references, and the generators' state (a host copy): replayed, with the same dropout
             # masks, if the step is skipped
+            if not self._batches:  # the step's scale, as its first forward saw it (one copy, no sync)
+                scaler = getattr(self.trainer.accelerator, "scaler", None)
+                own = getattr(scaler, "_scale", None)
+                self._step_scale_seen = own.detach().clone() if isinstance(own, torch.Tensor) else None
             self._batches.append((args, kwargs))
             self._rng_states.append(rng_state(module))
 
@@ -254,7 +260,11 @@ class OverflowDiagnosisCallback(TrainerCallback):
         self._batches, self._rng_states = [], []
 
     def _step_scale(self, scaler: Any) -> float:
-        """The scale the skipped step ran at (its update may have backed off since)."""
+        """The scale the skipped step ran at (its update may have backed off since): the copy taken at
+        its first forward; without one, the scale now, undone by the backoff (wrong at the floor, where
+        the clamp left the scale as it was)."""
+        if self._step_scale_seen is not None:
+            return float(self._step_scale_seen.item())
         scale = scaler.get_scale()
         if isinstance(scaler, DynamicLossScaler):
             backed = scaler.last_backed_off
@@ -288,7 +298,10 @@ class OverflowDiagnosisCallback(TrainerCallback):
         replay = loss_nonfinite is not False or self.backward_replays < self.max_backward_replays
         if replay and loss_nonfinite is False:
             self.backward_replays += 1
+        self._replay_error = None
         origin = self._diagnose(model, scaler) if replay else None
+        if self._replay_error is not None and loss_nonfinite is False:
+            self.backward_replays -= 1  # a replay that could not run spent nothing: the next one may
         event = {
             "event": "overflow",
             "step": state.global_step + 1,  # the optimizer step being skipped
@@ -303,7 +316,9 @@ class OverflowDiagnosisCallback(TrainerCallback):
         }
         if origin is None:
             event["diagnosis"] = (
-                "not reproduced in a replay of the step's batches (transient)"
+                f"replay failed: {self._replay_error}"
+                if self._replay_error is not None
+                else "not reproduced in a replay of the step's batches (transient)"
                 if replay
                 else f"not replayed (only the first {self.max_backward_replays} backward overflow(s) of a run are)"
             )
@@ -334,7 +349,8 @@ class OverflowDiagnosisCallback(TrainerCallback):
                 rng_states=list(self._rng_states),
             )  # fmt: skip
         except Exception as err:  # noqa: BLE001 - a diagnosis must never stop training
-            logger.warning("hf_lossscale: the overflow diagnosis failed (%s: %s)", type(err).__name__, err)
+            self._replay_error = f"{type(err).__name__}: {err}"[:300]
+            logger.warning("hf_lossscale: the overflow diagnosis failed (%s)", self._replay_error)
             return None
         finally:
             self._replaying = False
