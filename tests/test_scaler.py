@@ -361,7 +361,7 @@ def test_no_sync_in_scale_unscale_update():
 # ---------------------------------------------------------------- errors users meet
 def test_fp16_parameters_get_a_clear_error():
     model = tiny_model().half()
-    scaler = DynamicLossScaler()
+    scaler = DynamicLossScaler(master_weights=False)  # the default ("auto") trains it on FP32 masters
     scaler.set_parameter_names(model)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler.scale(model(batch(0)[0].half()).float().sum()).backward()

@@ -139,6 +139,11 @@ class LossScaleConfig:
             `"warn"` (warn once and keep skipping), or `"clamp"` (at the floor, stop skipping: the
             non-finite gradient elements are clamped, NaN to 0 and +-inf to +-65504 / scale, and the
             optimizer steps; costs one host read of the overflow flag per step).
+        master_weights (`bool` or `"auto"`, *optional*, defaults to `"auto"`):
+            the optimizer steps on FP32 copies of the trainable FP16 parameters (a model held in FP16),
+            reading each FP16 gradient once into them and writing the FP16 weights back after each
+            step. `"auto"`: on exactly when a trainable parameter is FP16; `False`: such a parameter
+            is refused with the remedies (torch's "Attempting to unscale FP16 gradients", explained).
         floor_event_steps (`int`, *optional*, defaults to `100`):
             an event (and a warning) when the scale has sat at `min_scale` for this many optimizer
             steps in a row. 0 disables it.
@@ -210,6 +215,13 @@ class LossScaleConfig:
     floor_event_steps: int = field(
         default=100,
         metadata={"help": "Event when the scale sits at min_scale this many steps in a row (0: off)."},
+    )
+    master_weights: bool | str = field(
+        default="auto",
+        metadata={
+            "help": "FP32 master weights for trainable FP16 parameters: 'auto' (on exactly when one is "
+            "FP16), true, or false (FP16 parameters refused with the remedies)."
+        },
     )
 
     def __post_init__(self) -> None:
@@ -284,6 +296,15 @@ class LossScaleConfig:
         ma = self.max_auto_fp32_modules
         if not _is_int(ma) or not (1 <= ma <= INT64_MAX):
             raise ValueError(f"LossScaleConfig.max_auto_fp32_modules={ma!r} must be an integer >= 1.")
+        mw = self.master_weights
+        if isinstance(mw, str) and mw.strip().lower() in ("true", "on", "1", "yes"):
+            self.master_weights = True
+        elif isinstance(mw, str) and mw.strip().lower() in ("false", "off", "0", "no"):
+            self.master_weights = False
+        elif isinstance(mw, str) and mw.strip().lower() == "auto":
+            self.master_weights = "auto"
+        elif not isinstance(mw, bool):
+            raise ValueError(f"LossScaleConfig.master_weights={mw!r} must be 'auto', True or False.")
         if not isinstance(self.at_min_scale, str) or self.at_min_scale not in AT_MIN_SCALE:
             raise ValueError(
                 f"LossScaleConfig.at_min_scale={self.at_min_scale!r} is not one of {AT_MIN_SCALE}."
@@ -517,6 +538,8 @@ def _parse_env_value(name: str, var: str, raw: str) -> Any:
             + ", or unset it for the default."
         )
     try:
+        if kind == "bool | str":  # master_weights: true / false / auto
+            return True if text.lower() in _TRUE else False if text.lower() in _FALSE else text
         if kind == "bool":
             if text.lower() in _TRUE:
                 return True

@@ -20,6 +20,7 @@ from torch.amp.grad_scaler import OptState  # torch's stages: third-party code c
 
 from .clip import total_norm
 from .config import SCALE_MAX, SCALE_MIN, LossScaleConfig
+from .master_weights import MasterWeights
 from .scaler_observers import (
     LossScaleCollapseError,
     ParameterNames,
@@ -129,6 +130,7 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
         self._flags: dict[torch.device, tuple[torch.Tensor, ...]] = {}  # see _flag_views
         self._found_taken = False  # whether this iteration's check used the flags buffer (_new_found)
         self._grad_sentinel: torch.nn.Parameter | None = None  # see _drop_stale_probe
+        self._master_checked: set[int] = set()  # optimizers looked at for FP16 parameters (master weights)
         #: Device flags of the last update: its loss was non-finite / it backed the scale off.
         self.last_loss_nonfinite: torch.Tensor | None = None
         # the last update's backoff: a bool flag, or (fast rule) its float overflow flag, compared on request
@@ -136,6 +138,8 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
         #: The latest overflow diagnosis (`hf_lossscale.core.overflow`): {"kind", "origin", "step", ...}.
         #: The collapse error leads with it. Set by whoever diagnoses (the Trainer's callback).
         self.overflow_origin: dict[str, Any] | None = None
+        #: FP32 master weights of the optimizers' trainable FP16 parameters (`config.master_weights`).
+        self.master_weights = MasterWeights()
         #: Steps taken at the floor with clamped gradients (`at_min_scale="clamp"`), host-side.
         self.clamped_steps = 0
         #: Names of parameters for overflow reports and errors (`set_parameter_names`).
@@ -317,6 +321,17 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
+        retval = self._step(optimizer, state, args, kwargs)
+        if self.master_weights.pairs(optimizer):  # the FP16 weights from their FP32 masters
+            if state.get("host_skipped"):  # skipped, known on the host: nothing moved, nothing to write
+                self.master_weights.release(optimizer)
+            else:  # stepped, or decided on the device (a skip leaves the masters, so the weights, as they were)
+                self.master_weights.write_back(optimizer)
+        return retval
+
+    def _step(
+        self, optimizer: torch.optim.Optimizer, state: dict[str, Any], args: tuple, kwargs: dict
+    ) -> Any:
         if self.config.at_min_scale == "clamp":
             return self._step_clamping(optimizer, state, args, kwargs)
 
@@ -450,9 +465,12 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
         `parameters=model.parameters()` gives `torch.nn.utils.clip_grad_norm_(model.parameters())`'s
         norm bitwise; those with gradients must be exactly the optimizer's parameters with gradients.
         """
+        if self.is_enabled() and self.state.materialised:
+            self._gather_masters(optimizer)  # a model held in FP16: its gradients into the FP32 masters
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if parameters is not None:
-            parameters = list(parameters)
+            to_master = {id(h): m for h, m in self.master_weights.pairs(optimizer)}
+            parameters = [to_master.get(id(p), p) for p in parameters]  # the model's FP16 ones: their masters
             given = {id(p) for p in parameters if p.grad is not None}
             if given != {id(p) for p in params if p.grad is not None}:
                 raise ValueError(

@@ -110,10 +110,24 @@ class TorchGradScalerSurface:
         return self._scale, self.state["_growth_tracker"]
 
     # ------------------------------------------------------------------ unscale / check
+    def _gather_masters(self, optimizer: torch.optim.Optimizer) -> None:
+        """With `config.master_weights`: FP32 masters for the optimizer's trainable FP16 parameters (at
+        its first step), and this iteration's FP16 gradients read into them (nothing when none)."""
+        if self.config.master_weights is False:
+            return
+        masters = self.master_weights
+        if id(optimizer) not in self._master_checked:  # once per optimizer: any trainable FP16 one?
+            self._master_checked.add(id(optimizer))
+            if masters.half_trainable(optimizer):
+                masters.attach(optimizer)
+        masters.gather(optimizer)
+
     def _grads_by_device_and_dtype(self, optimizer: torch.optim.Optimizer, allow_fp16: bool = False):
         grouped: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
             lambda: defaultdict(list)
         )
+        if not allow_fp16:
+            self._gather_masters(optimizer)
         fp16_params = []
         for group in optimizer.param_groups:
             for param in group["params"]:
@@ -135,8 +149,9 @@ class TorchGradScalerSurface:
                 f"{len(fp16_params)} trainable parameter(s) are held in float16: {shown}{more}. "
                 "Loss scaling needs FP32 master weights: load the model in float32 (drop "
                 "`torch_dtype=torch.float16` / `dtype=torch.float16` from from_pretrained) and let "
-                "autocast (`fp16=True` / `mixed_precision='fp16'`) run the FP16 compute, or freeze "
-                "those parameters."
+                "autocast (`fp16=True` / `mixed_precision='fp16'`) run the FP16 compute, freeze "
+                "those parameters, or let the optimizer step on FP32 master copies of them "
+                "(master_weights='auto' or True: --loss_scale_master_weights auto, HF_LOSSSCALE_MASTER_WEIGHTS)."
             )
         return grouped
 

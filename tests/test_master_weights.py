@@ -1,0 +1,204 @@
+"""FP32 master weights for a model held in FP16 (issue 39): the optimizer steps on FP32 copies, each
+FP16 gradient read once into them, the FP16 weights written back; skips touch nothing; the masters
+travel with the optimizer's state."""
+
+import copy
+
+import pytest
+import torch
+
+from hf_lossscale import DynamicLossScaler
+
+
+def _model(seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+    return model.half()
+
+
+def _batch(i):
+    g = torch.Generator().manual_seed(100 + i)
+    return torch.randn(4, 6, generator=g).half(), torch.randn(4, 3, generator=g).half()
+
+
+def _loss(model, i):
+    x, y = _batch(i)
+    return (model(x).float() - y.float()).pow(2).mean()
+
+
+def _optimizer(kind, params):
+    if kind == "sgd":
+        return torch.optim.SGD(params, lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-2, fused=kind == "fused", foreach=kind == "foreach")
+
+
+def _reference(model, kind, steps, scale, inf_at=()):
+    """The obvious implementation: FP32 copies, cast the FP16 gradient, unscale, check, step, copy back."""
+    masters = [p.detach().float().requires_grad_() for p in model.parameters()]
+    opt = _optimizer(kind, masters)
+    for i in range(steps):
+        model.zero_grad()
+        (_loss(model, i) * scale).backward()
+        if i in inf_at:
+            next(model.parameters()).grad[0, 0] = float("inf")
+        grads = [p.grad.float() / scale for p in model.parameters()]
+        if all(torch.isfinite(g).all() for g in grads):
+            for m, g in zip(masters, grads, strict=True):
+                m.grad = g
+            opt.step()
+            with torch.no_grad():
+                for p, m in zip(model.parameters(), masters, strict=True):
+                    p.copy_(m)
+    return masters
+
+
+@pytest.mark.parametrize("kind", ["foreach", "fused", "sgd"])
+def test_an_fp16_model_trains_on_fp32_masters_like_the_obvious_implementation(kind):
+    """Bugs caught: the FP16 weights never written back (training does nothing), the gradients cast
+    after unscaling in FP16 (small ones flushed), a skipped step that moved the masters, the masters
+    created after the optimizer's state (FP16 moments)."""
+    scale = 2.0**10
+    model, ref_model = _model(), _model()
+    opt = _optimizer(kind, model.parameters())
+    scaler = DynamicLossScaler(init_scale=scale, growth_interval=1000, backoff_factor=0.5)
+    for i in range(6):
+        opt.zero_grad()
+        scaler.scale(_loss(model, i)).backward()
+        if i == 2:
+            next(model.parameters()).grad[0, 0] = float("inf")
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler.step(opt)
+        scaler.update()
+        if i == 2:  # skipped: neither the FP16 weights nor the masters moved
+            assert all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+            scale_after_skip = scaler.get_scale()
+    assert scale_after_skip == scale / 2 and scaler.stats()["skipped_steps"] == 1
+    masters = [m for _, m in scaler.master_weights.pairs(opt)]
+    assert len(masters) == 4 and all(m.dtype == torch.float32 for m in masters)
+    assert all(p.dtype == torch.float16 for p in model.parameters())  # the model keeps FP16 weights
+    # the reference at the scales the scaler used: 2^10 until the skip, 2^9 after
+    ref = _reference_with_scales(ref_model, kind, [scale] * 3 + [scale / 2] * 3, inf_at=(2,))
+    for m, r in zip(masters, ref, strict=True):
+        torch.testing.assert_close(m, r, rtol=0, atol=0)
+    for p, r in zip(model.parameters(), ref, strict=True):
+        assert torch.equal(p, r.half())  # round to nearest even, from the master
+    state = opt.state[masters[0]]
+    if kind != "sgd":
+        assert state["exp_avg"].dtype == torch.float32
+
+
+def _reference_with_scales(model, kind, scales, inf_at=()):
+    masters = [p.detach().float().requires_grad_() for p in model.parameters()]
+    opt = _optimizer(kind, masters)
+    for i, scale in enumerate(scales):
+        model.zero_grad()
+        (_loss(model, i) * scale).backward()
+        if i in inf_at:
+            next(model.parameters()).grad[0, 0] = float("inf")
+        grads = [p.grad.float() * (1.0 / scale) for p in model.parameters()]
+        if all(torch.isfinite(g).all() for g in grads):
+            for m, g in zip(masters, grads, strict=True):
+                m.grad = g
+            opt.step()
+            with torch.no_grad():
+                for p, m in zip(model.parameters(), masters, strict=True):
+                    p.copy_(m)
+    return masters
+
+
+def test_frozen_fp16_parameters_get_no_master_and_fp32_ones_step_as_they_are():
+    """A PEFT-like model: a frozen FP16 base, a trainable FP16 adapter, an FP32 head. Bug caught: a
+    master for the frozen base (memory for nothing), or the FP32 head copied."""
+    torch.manual_seed(0)
+    base, adapter, head = torch.nn.Linear(6, 6).half(), torch.nn.Linear(6, 6).half(), torch.nn.Linear(6, 2)
+    base.requires_grad_(False)
+    params = [*adapter.parameters(), *head.parameters()]
+    opt = torch.optim.AdamW(params, lr=1e-2)
+    scaler = DynamicLossScaler(init_scale=256.0)
+    x = torch.randn(3, 6).half()
+    head_before = head.weight.detach().clone()
+    scaler.scale(head(adapter(base(x)).float()).pow(2).mean()).backward()
+    scaler.step(opt)
+    scaler.update()
+    pairs = scaler.master_weights.pairs(opt)
+    assert [h for h, _ in pairs] == list(adapter.parameters())
+    assert scaler.master_weights.bytes() == 4 * sum(p.numel() for p in adapter.parameters())
+    assert not torch.equal(head.weight, head_before) and head.weight.dtype == torch.float32
+    assert any(p is head.weight for g in opt.param_groups for p in g["params"])
+
+
+def test_master_weights_off_refuses_fp16_parameters_naming_the_setting():
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = DynamicLossScaler(master_weights=False)
+    scaler.scale(_loss(model, 0)).backward()
+    with pytest.raises(ValueError, match="master_weights"):
+        scaler.step(opt)
+
+
+def test_the_masters_travel_with_the_optimizer_state_and_a_resume_is_bitwise():
+    """Three steps, the optimizer's and the scaler's state saved, a fresh FP16 model loaded from the
+    saved FP16 weights (what a checkpoint holds), masters attached, the states loaded, three more steps:
+    the FP16 weights and the masters equal the uninterrupted run's bitwise. Bug caught: masters rebuilt
+    from the FP16 weights on resume (their low bits lost)."""
+
+    def run(steps, model, opt, scaler, start=0):
+        for i in range(start, start + steps):
+            opt.zero_grad()
+            scaler.scale(_loss(model, i)).backward()
+            scaler.step(opt)
+            scaler.update()
+
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = DynamicLossScaler(init_scale=2.0**8)
+    run(6, model, opt, scaler)
+
+    first = _model()
+    opt1 = torch.optim.AdamW(first.parameters(), lr=1e-2)
+    scaler1 = DynamicLossScaler(init_scale=2.0**8)
+    run(3, first, opt1, scaler1)
+    saved = copy.deepcopy((first.state_dict(), opt1.state_dict(), scaler1.state_dict()))
+
+    resumed = _model(seed=1)  # other weights: everything must come from the checkpoint
+    resumed.load_state_dict(saved[0])
+    opt2 = torch.optim.AdamW(resumed.parameters(), lr=1e-2)
+    scaler2 = DynamicLossScaler(init_scale=2.0**8)
+    assert scaler2.master_weights.attach(opt2) == 4  # the one call before loading an optimizer state
+    opt2.load_state_dict(saved[1])
+    scaler2.load_state_dict(saved[2])
+    run(3, resumed, opt2, scaler2, start=3)
+    for a, b in zip(model.parameters(), resumed.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for (_, a), (_, b) in zip(
+        scaler.master_weights.pairs(opt), scaler2.master_weights.pairs(opt2), strict=True
+    ):
+        assert torch.equal(a, b)
+
+
+def test_attaching_after_the_optimizer_stepped_in_fp16_is_refused():
+    model = _model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _loss(model, 0).backward()
+    opt.step()  # FP16 moments now exist
+    with pytest.raises(ValueError, match="before the first step"):
+        DynamicLossScaler().master_weights.attach(opt)
+
+
+def test_the_one_pass_clip_reads_the_masters():
+    """`scaler.clip_grad_norm_` on an FP16 model: the norm of the unscaled FP32 gradients, clipped."""
+    model, twin = _model(), _model()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    scaler = DynamicLossScaler(init_scale=2.0**12)
+    scaler.scale(_loss(model, 0)).backward()
+    norm = scaler.clip_grad_norm_(opt, 1e-3)
+    _loss(twin, 0).backward()
+    expected = torch.linalg.vector_norm(
+        torch.stack([torch.linalg.vector_norm(p.grad.float()) for p in twin.parameters()])
+    )
+    torch.testing.assert_close(norm, expected, rtol=2e-3, atol=0)
+    masters = [m for _, m in scaler.master_weights.pairs(opt)]
+    clipped = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(m.grad) for m in masters]))
+    assert clipped <= 1e-3 * (1 + 1e-4)
+    scaler.step(opt)
+    scaler.update()
