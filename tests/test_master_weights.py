@@ -202,3 +202,50 @@ def test_the_one_pass_clip_reads_the_masters():
     assert clipped <= 1e-3 * (1 + 1e-4)
     scaler.step(opt)
     scaler.update()
+
+
+def _trainer(tmp_path, model, **kw):
+    from tiny_models import tiny_classification_dataset
+
+    from hf_lossscale import LossScaleTrainer, LossScaleTrainingArguments
+
+    args = LossScaleTrainingArguments(
+        str(tmp_path), fp16=True, max_steps=4, per_device_train_batch_size=4, report_to=[], disable_tqdm=True,
+        logging_steps=1, seed=0, data_seed=0, max_grad_norm=1.0, **kw,
+    )  # fmt: skip
+    return LossScaleTrainer(model=model, args=args, train_dataset=tiny_classification_dataset())
+
+
+@pytest.mark.parametrize("optim", ["adamw_torch_fused", "adamw_torch"])
+def test_the_trainer_trains_an_fp16_model_on_masters_and_resumes_bitwise(tmp_path, optim):
+    """`LossScaleTrainer(fp16=True)` on a tiny BERT held in FP16 (what `from_pretrained(dtype=torch.float16)`
+    gives): it trains with the optimizer the Trainer builds, clips through the masters, checkpoints
+    the masters with the optimizer, and a resume from step 2 lands bitwise on the uninterrupted run;
+    `save_pretrained` writes FP16. Bugs caught: "Attempting to unscale FP16 gradients" (or our refusal);
+    the clip reading the emptied FP16 gradients (grad_norm 0, nothing clipped); masters rebuilt from the
+    FP16 checkpoint on resume; FP16 moments loaded into FP16 parameters before the masters existed."""
+    import warnings
+
+    from safetensors.torch import load_file
+    from tiny_models import tiny_bert_classifier
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        full = _trainer(tmp_path / "full", tiny_bert_classifier().half(), optim=optim, save_strategy="no")
+        full.train()
+        first = _trainer(tmp_path / "cut", tiny_bert_classifier().half(), optim=optim, save_strategy="steps",
+                         save_steps=2)  # fmt: skip
+        first.train()
+        resumed = _trainer(tmp_path / "cut", tiny_bert_classifier(seed=1).half(), optim=optim, save_strategy="no")
+        resumed.train(resume_from_checkpoint=str(tmp_path / "cut" / "checkpoint-2"))
+    model = full.model
+    assert all(p.dtype == torch.float16 for p in model.parameters())
+    norms = [e["grad_norm"] for e in full.state.log_history if "grad_norm" in e]
+    assert any(n > 0 for n in norms[1:]), norms  # the clip saw the gradients (the masters')
+    for a, b in zip(model.parameters(), resumed.model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    masters = [m for _, m in full.loss_scaler.master_weights.pairs(full.optimizer)]
+    again = [m for _, m in resumed.loss_scaler.master_weights.pairs(resumed.optimizer)]
+    assert len(masters) == len(again) > 0 and all(torch.equal(a, b) for a, b in zip(masters, again, strict=True))
+    full.save_model(str(tmp_path / "deploy"))
+    assert {t.dtype for t in load_file(str(tmp_path / "deploy" / "model.safetensors")).values()} == {torch.float16}

@@ -61,7 +61,16 @@ class MasterWeights:
         inner = _inner(optimizer)
         if id(inner) in self._pairs:
             return 0
-        stepped = [p for p in self.half_trainable(inner) if inner.state.get(p)]
+        halves = self.half_trainable(inner)
+        sharded = [type(p).__name__ for p in halves if type(p).__name__ in ("DTensor", "FlatParameter")]
+        if sharded:
+            raise ValueError(
+                f"master_weights: the optimizer holds sharded FP16 parameters ({sharded[0]}): under FSDP keep "
+                "the parameters in FP32 and let FSDP compute in FP16 (FSDP2 `MixedPrecisionPolicy(param_dtype="
+                "torch.float16)`, FSDP1 `MixedPrecision(param_dtype=torch.float16)`), which is the same design; "
+                "under DeepSpeed use its FP16 optimizer (`fp16.enabled`), which keeps FP32 masters itself."
+            )
+        stepped = [p for p in halves if inner.state.get(p)]
         if stepped:
             raise ValueError(
                 f"master_weights: {len(stepped)} FP16 parameter(s) already have optimizer state (the optimizer "

@@ -334,7 +334,9 @@ def _route_clip(accelerator: Accelerator) -> None:
         parameters = list(parameters)
         target = _single_optimizer_of(accelerator, parameters)
         if target is None:
-            return original(parameters, max_norm, norm_type=norm_type)
+            # a model held in FP16 steps on FP32 masters: Accelerate unscales (the FP16 gradients move
+            # into the masters), then clips what it is given: the masters, not the emptied FP16 ones
+            return original(_as_masters(accelerator, parameters), max_norm, norm_type=norm_type)
         scaler = accelerator.scaler
         for opt in accelerator._optimizers:  # Accelerate unscales every optimizer here
             inner = _innermost(opt)
@@ -362,11 +364,30 @@ def _single_optimizer_of(accelerator: Accelerator, parameters: list[torch.Tensor
         or (accelerator.distributed_type == DistributedType.FSDP and not accelerator.is_fsdp2)
     ):
         return None
-    wanted = {id(p) for p in parameters if p.grad is not None}
     matches = []
     for opt in accelerator._optimizers:
         inner = _innermost(opt)
-        owned = {id(p) for g in inner.param_groups for p in g["params"] if p.grad is not None}
+        # with master weights the optimizer holds FP32 masters, whose gradients are still in their FP16
+        # parameters until the scaler reads them: compare through the pairs
+        pairs = scaler.master_weights.pairs(inner)
+        to_master = {id(h): m for h, m in pairs}
+        half_of = {id(m): h for h, m in pairs}
+        wanted = {id(to_master.get(id(p), p)) for p in parameters if p.grad is not None}
+        owned = {
+            id(p) for g in inner.param_groups for p in g["params"]
+            if p.grad is not None or (id(p) in half_of and half_of[id(p)].grad is not None)
+        }  # fmt: skip
         if owned == wanted:
             matches.append(inner)
     return matches[0] if len(matches) == 1 else None
+
+
+def _as_masters(accelerator: Accelerator, parameters: list[torch.Tensor]) -> list[torch.Tensor]:
+    """`parameters` with each FP16 parameter that has an FP32 master replaced by its master."""
+    scaler = accelerator.scaler
+    if not isinstance(scaler, DynamicLossScaler):
+        return parameters
+    to_master = {
+        id(h): m for opt in accelerator._optimizers for h, m in scaler.master_weights.pairs(_innermost(opt))
+    }
+    return [to_master.get(id(p), p) for p in parameters] if to_master else parameters

@@ -354,6 +354,21 @@ class LossScaleMixin:
         self.loss_scaler = install_loss_scaler(self.accelerator, self._loss_scale_config, overrides=overrides)
 
     # ------------------------------------------------------------------ logging
+    def create_optimizer(self, *args: Any, **kwargs: Any) -> Any:
+        """The Trainer's optimizer (any it builds, `adamw_torch_fused` included), with FP32 masters in
+        place of the model's trainable FP16 parameters when `master_weights` allows: before a resumed
+        optimizer state is loaded into it (its moments are the masters' FP32 ones), and before the
+        first step. A model held in FP32 is untouched."""
+        optimizer = super().create_optimizer(*args, **kwargs)
+        scaler = self.loss_scaler
+        if scaler is not None and scaler.is_enabled() and scaler.config.master_weights is not False:
+            inner = getattr(optimizer, "optimizer", optimizer)
+            if scaler.master_weights.half_trainable(inner):
+                n = scaler.master_weights.attach(inner)
+                logger.info("hf_lossscale: %d FP16 parameter tensors step on FP32 master weights (%.1f MB).",
+                            n, scaler.master_weights.bytes() / 2**20)  # fmt: skip
+        return optimizer
+
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         if self.loss_scaler is None and self.accelerator.distributed_type == DistributedType.DEEPSPEED:
             logs.update(deepspeed_scale_figures(self.model_wrapped))
