@@ -247,3 +247,24 @@ def test_op_count_table_is_exact():
         "ours, hysteresis 2": 37,
         "ours, telemetry every step": 654,
     }
+
+
+def test_master_weights_benchmark_counts_what_it_says(tmp_path):
+    """The gradient hand-over timing runs both implementations on the same gradients, and one memory
+    row (MiniLM, LoRA on an FP16 base) counts masters of 4 bytes per trainable parameter and none for
+    the frozen base. Bug caught: masters made for frozen parameters, or a row that counts the wrong
+    dtype."""
+    import json
+
+    bench = load("master_weights")
+    cost = bench.step_cost(2, n_tensors=4, numel=1024)
+    assert cost["ours_ms"] > 0 and cost["obvious_ms"] > 0
+    import subprocess
+    import sys
+
+    spec = {"model": "minilm", "lora": True, "weights": "fp16"}
+    proc = subprocess.run([sys.executable, "-c", bench.CHILD, json.dumps(spec)], capture_output=True, text=True,
+                          check=True, timeout=600)  # fmt: skip
+    row = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert row["masters_bytes"] == 4 * row["trainable"] and row["trainable"] < row["parameters"] / 100
+    assert row["weights_bytes"] < 2.1 * row["parameters"]  # the frozen base stays FP16

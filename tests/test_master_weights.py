@@ -236,7 +236,9 @@ def test_the_trainer_trains_an_fp16_model_on_masters_and_resumes_bitwise(tmp_pat
         first = _trainer(tmp_path / "cut", tiny_bert_classifier().half(), optim=optim, save_strategy="steps",
                          save_steps=2)  # fmt: skip
         first.train()
-        resumed = _trainer(tmp_path / "cut", tiny_bert_classifier(seed=1).half(), optim=optim, save_strategy="no")
+        resumed = _trainer(
+            tmp_path / "cut", tiny_bert_classifier(seed=1).half(), optim=optim, save_strategy="no"
+        )
         resumed.train(resume_from_checkpoint=str(tmp_path / "cut" / "checkpoint-2"))
     model = full.model
     assert all(p.dtype == torch.float16 for p in model.parameters())
@@ -246,6 +248,10 @@ def test_the_trainer_trains_an_fp16_model_on_masters_and_resumes_bitwise(tmp_pat
         assert torch.equal(a, b)
     masters = [m for _, m in full.loss_scaler.master_weights.pairs(full.optimizer)]
     again = [m for _, m in resumed.loss_scaler.master_weights.pairs(resumed.optimizer)]
-    assert len(masters) == len(again) > 0 and all(torch.equal(a, b) for a, b in zip(masters, again, strict=True))
+    assert len(masters) == len(again) > 0 and all(
+        torch.equal(a, b) for a, b in zip(masters, again, strict=True)
+    )
     full.save_model(str(tmp_path / "deploy"))
-    assert {t.dtype for t in load_file(str(tmp_path / "deploy" / "model.safetensors")).values()} == {torch.float16}
+    assert {t.dtype for t in load_file(str(tmp_path / "deploy" / "model.safetensors")).values()} == {
+        torch.float16
+    }

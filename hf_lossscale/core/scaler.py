@@ -31,8 +31,8 @@ from .scaler_observers import (
 from .scaler_state import STATE_FORMAT, STATE_FORMAT_VERSION, ScalerState
 from .step_flags import StepFlags
 from .telemetry import FP16_MAX, GradientTelemetry
-from .torch_surface import TorchGradScalerSurface, _fused_sgd_first_step, _mul_grads_, _takes_grad_scaler
-from .update_rule import UpdateRule, _RuleConstants, _world_size
+from .torch_surface import TorchGradScalerSurface, fused_sgd_first_step, mul_grads_, takes_grad_scaler
+from .update_rule import RuleConstants, UpdateRule, world_size
 
 __all__ = ["DynamicLossScaler", "LossScaleCollapseError", "OptState", "STATE_FORMAT", "STATE_FORMAT_VERSION"]
 
@@ -126,7 +126,7 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
         # 0 when all were finite, NaN otherwise (inf * 0 is NaN); None when none was seen. The overflow
         # check reads it together with the gradients, in the same kernel call.
         self._loss_probe: torch.Tensor | None = None
-        self._rule_constants: dict[torch.device, _RuleConstants] = {}  # see _constants
+        self._rule_constants: dict[torch.device, RuleConstants] = {}  # see _constants
         self._flags: dict[torch.device, tuple[torch.Tensor, ...]] = {}  # see _flag_views
         self._found_taken = False  # whether this iteration's check used the flags buffer (_new_found)
         self._grad_sentinel: torch.nn.Parameter | None = None  # see _drop_stale_probe
@@ -336,7 +336,7 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
             return self._step_clamping(optimizer, state, args, kwargs)
 
         if getattr(optimizer, "_step_supports_amp_scaling", False):
-            if _takes_grad_scaler(optimizer.step):
+            if takes_grad_scaler(optimizer.step):
                 # torch's older contract, which it still honours: the optimizer gets the scaler and
                 # does the rest itself (checks, unscaling, skipping)
                 warnings.warn(
@@ -359,7 +359,7 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
             else:  # already unscaled: the kernel must not divide again
                 grad_scale = getattr(optimizer, "grad_scale", None)
             found_inf = self._found_inf(optimizer)
-            if _fused_sgd_first_step(optimizer) and found_inf.item():
+            if fused_sgd_first_step(optimizer) and found_inf.item():
                 # torch's fused SGD skips a first step with its momentum buffers left uninitialised
                 # (empty_like), and the next step uses them: skip here instead. One host read per
                 # step, only until the buffers exist.
@@ -528,7 +528,7 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
                 state["grad_scale"] = scale / coef
             else:
                 multiplier = coef / scale  # exact: a power-of-two scale divides without rounding
-                _mul_grads_(grouped, torch.where(found > 0, self._one(device), multiplier), foreach)
+                mul_grads_(grouped, torch.where(found > 0, self._one(device), multiplier), foreach)
         if per_tensor is not None and not _tracing_or_capturing():  # kept tensors mean nothing in a graph
             for observer in self._watchers():  # a norm is non-finite exactly when its gradient is
                 observer.on_norms(self, optimizer, with_grad, per_tensor)
@@ -545,7 +545,7 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
                 # an overflowing step's gradients are unscaled, not clipped (its divisor is inf or NaN)
                 found = self._found_inf(optimizer)
                 grad_scale = torch.where(found > 0, self._scale.to(grad_scale.device), grad_scale)
-                _mul_grads_(
+                mul_grads_(
                     self._grads_by_device_and_dtype(optimizer), grad_scale.double().reciprocal().float(), None
                 )
 
@@ -592,7 +592,7 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
                 "each optimizer of the iteration before update()."
             )
         found_f = torch.stack(flags).amax() if len(flags) > 1 else flags[0]
-        distributed = _world_size(self._found_inf_group) > 1
+        distributed = world_size(self._found_inf_group) > 1
         fast_rule = self.config.mode != "dynamic" or self._torch_rule_applies()  # else the general one
         host_known = self._host_skipped is not None and fast_rule
         if host_known and not distributed and self.config.at_min_scale != "clamp":

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     pass
 
 
-def _fused_sgd_first_step(optimizer: torch.optim.Optimizer) -> bool:
+def fused_sgd_first_step(optimizer: torch.optim.Optimizer) -> bool:
     """A fused SGD with momentum whose momentum buffers do not exist yet (its first step)."""
     if not isinstance(optimizer, torch.optim.SGD):
         return False
@@ -34,7 +34,7 @@ def _fused_sgd_first_step(optimizer: torch.optim.Optimizer) -> bool:
     )
 
 
-def _mul_grads_(grouped: dict, factor: torch.Tensor, foreach: bool | None) -> None:
+def mul_grads_(grouped: dict, factor: torch.Tensor, foreach: bool | None) -> None:
     """Multiply gradients grouped by device and dtype by a 0-d tensor, in place, as torch's
     `clip_grads_with_norm_` does (foreach where supported, else tensor by tensor)."""
     from torch.utils._foreach_utils import _device_has_foreach_support, _has_foreach_support
@@ -55,7 +55,7 @@ def _mul_grads_(grouped: dict, factor: torch.Tensor, foreach: bool | None) -> No
                     g.mul_(f)
 
 
-def _takes_grad_scaler(step: Any) -> bool:
+def takes_grad_scaler(step: Any) -> bool:
     """Whether an optimizer's `step` takes `grad_scaler=` (torch's older contract); the signature is
     read once per step function, not on every step."""
     func = getattr(step, "__func__", step)

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from .scaler_state import ScalerState
 
 
-class _RuleConstants(NamedTuple):
+class RuleConstants(NamedTuple):
     """The scaler's device constants (`DynamicLossScaler._constants`): a 1.0 (`_one`) and the update
     rule's. The counters' factors are
     [K, A] rows (counters * K + A, see `_apply_rule`): `index` picks them from the flags [skipped,
@@ -40,7 +40,7 @@ class _RuleConstants(NamedTuple):
     skip_bad: torch.Tensor
 
 
-def _world_size(group: Any = None) -> int:
+def world_size(group: Any = None) -> int:
     """The number of ranks in `group` (the world by default); 1 without an initialised process group."""
     import torch.distributed as dist
 
@@ -182,7 +182,7 @@ class UpdateRule:
         s["scale"].clamp_(c.min_scale, c.max_scale)
         self._backed_off = overflow if skipped else k.false
 
-    def _constants(self, device: torch.device) -> _RuleConstants:
+    def _constants(self, device: torch.device) -> RuleConstants:
         """The scaler's constants on `device`, made once (at the first step that needs one)."""
         found = self._rule_constants.get(device)
         if found is None:
@@ -190,7 +190,7 @@ class UpdateRule:
             def tensor(value, dtype=None):
                 return torch.tensor(value, dtype=dtype, device=device)
 
-            found = self._rule_constants[device] = _RuleConstants(
+            found = self._rule_constants[device] = RuleConstants(
                 index=tensor([[0, 1, 2, 2, 2], [0, 1, 2, 0, 1]]),
                 one=tensor(1.0, torch.float32),
                 false=tensor(False),
