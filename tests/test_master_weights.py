@@ -255,3 +255,53 @@ def test_the_trainer_trains_an_fp16_model_on_masters_and_resumes_bitwise(tmp_pat
     assert {t.dtype for t in load_file(str(tmp_path / "deploy" / "model.safetensors")).values()} == {
         torch.float16
     }
+
+
+@pytest.mark.parametrize("kind", ["fused", "foreach"])
+def test_master_weights_add_no_host_read(kind):
+    """Steps with master weights, one of them skipped, counted as the sync tests count (every way a
+    device value reaches the host): the same reads as the same steps on an FP32 model (fused: 0,
+    foreach: 1 per step, the skip decision). Bug caught: an `isfinite().all()` or a `.item()` per
+    tensor in the hand-over, or a host check of the skip before writing the FP16 weights back."""
+    from sync_count import count_reads
+
+    def reads(model):
+        dtype = next(model.parameters()).dtype
+
+        def _loss(model, i):  # the batch in the model's dtype
+            x, y = _batch(i)
+            return (model(x.to(dtype)).float() - y.float()).pow(2).mean()
+
+        opt = _optimizer(kind, model.parameters())
+        scaler = DynamicLossScaler(init_scale=2.0**10)
+        scaler.scale(_loss(model, 0).float()).backward()  # lazy init and the masters outside the count
+        scaler.step(opt)
+        scaler.update()
+
+        def steps():
+            for i in range(1, 4):
+                opt.zero_grad()
+                model.zero_grad()
+                scaler.scale(_loss(model, i).float()).backward()
+                if i == 2:
+                    next(model.parameters()).grad[0, 0] = float("inf")
+                scaler.step(opt)
+                scaler.update()
+
+        return count_reads(steps)
+
+    assert reads(_model()) == reads(_model().float())
+
+
+def test_bf16_parameters_under_the_fp16_scaler_get_one_message_before_the_step():
+    """torch fails deep in a kernel ("_amp_foreach_non_finite_check_and_unscale_cuda" not implemented
+    for 'BFloat16', pytorch #127176, trl #4901). Bug caught: that error, or BF16 stepped unscaled."""
+    model = torch.nn.Linear(4, 2).bfloat16()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler = DynamicLossScaler()
+    scaler.set_parameter_names(model)
+    before = model.weight.detach().clone()
+    scaler.scale(model(torch.randn(3, 4).bfloat16()).float().sum()).backward()
+    with pytest.raises(ValueError, match=r"held in bfloat16: weight, bias.*bf16=True"):
+        scaler.step(opt)
+    assert torch.equal(model.weight, before)

@@ -128,7 +128,7 @@ class TorchGradScalerSurface:
         )
         if not allow_fp16:
             self._gather_masters(optimizer)
-        fp16_params = []
+        fp16_params, bf16_params = [], []
         for group in optimizer.param_groups:
             for param in group["params"]:
                 if param.grad is None:
@@ -136,12 +136,25 @@ class TorchGradScalerSurface:
                 if param.dtype == torch.float16 and not allow_fp16:
                     fp16_params.append(self.parameter_names.name(param, optimizer))
                     continue
+                if param.dtype == torch.bfloat16:
+                    bf16_params.append(self.parameter_names.name(param, optimizer))
+                    continue
                 grad = param.grad
                 if grad.is_sparse:
                     if grad.dtype is torch.float16:
                         param.grad = grad = grad.coalesce()
                     grad = grad._values()
                 grouped[grad.device][grad.dtype].append(grad)
+        if bf16_params:
+            shown = ", ".join(bf16_params[:_MAX_NAMES])
+            more = f" (and {len(bf16_params) - _MAX_NAMES} more)" if len(bf16_params) > _MAX_NAMES else ""
+            raise ValueError(
+                f"{len(bf16_params)} trainable parameter(s) are held in bfloat16: {shown}{more}, under an FP16 loss "
+                "scaler (torch's fails on them in a kernel: '_amp_foreach_non_finite_check_and_unscale_cuda' not "
+                "implemented for 'BFloat16'). BF16 has FP32's range and needs no loss scaling: train with "
+                "bf16=True (mixed_precision='bf16', no scaler), or hold the parameters in FP32 (fp16=True, autocast) "
+                "or FP16 (master weights)."
+            )
         if fp16_params:
             shown = ", ".join(fp16_params[:_MAX_NAMES])
             more = f" (and {len(fp16_params) - _MAX_NAMES} more)" if len(fp16_params) > _MAX_NAMES else ""
