@@ -268,3 +268,18 @@ def test_master_weights_benchmark_counts_what_it_says(tmp_path):
     row = json.loads(proc.stdout.strip().splitlines()[-1])
     assert row["masters_bytes"] == 4 * row["trainable"] and row["trainable"] < row["parameters"] / 100
     assert row["weights_bytes"] < 2.1 * row["parameters"]  # the frozen base stays FP16
+
+
+def test_fp16_without_masters_benchmark_runs_both_arms(tmp_path):
+    """Three steps at one learning rate: both arms from the same weights and batches, the lost share
+    measured per step. Bug caught: the arms drifting apart before their first step (other weights or
+    batches), or the masters' arm measuring nothing."""
+    import json
+
+    bench = load("fp16_without_masters")
+    out = tmp_path / "r.json"
+    assert bench.main(["--steps", "3", "--lrs", "1e-3", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["arm"] for r in rows] == ["masters", "pure"]
+    assert rows[0]["loss"][0] == rows[1]["loss"][0]
+    assert len(rows[0]["lost_share"]) == 2 and all(0 <= x <= 1 for x in rows[0]["lost_share"])
