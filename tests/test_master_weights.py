@@ -3,6 +3,7 @@ FP16 gradient read once into them, the FP16 weights written back; skips touch no
 travel with the optimizer's state."""
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -305,3 +306,48 @@ def test_bf16_parameters_under_the_fp16_scaler_get_one_message_before_the_step()
     with pytest.raises(ValueError, match=r"held in bfloat16: weight, bias.*bf16=True"):
         scaler.step(opt)
     assert torch.equal(model.weight, before)
+
+
+def test_compare_runs_the_master_weights_setting(tmp_path, capsys):
+    """`compare --settings fp32,master`: the recipe loads the model in FP16 (`--dtype float16`) and the
+    Trainer steps it on FP32 masters with dynamic scaling; the run finishes and is judged like any
+    setting. Bug caught: the setting's flags not reaching the recipe (an FP32 model under its name), or
+    the FP16 model refused."""
+    import json
+
+    from tiny_models import save_tiny_bert
+
+    from hf_lossscale.core.events import read_run_events
+    from hf_lossscale.tools.cli import main
+    from hf_lossscale.tools.runs import setting_flags
+
+    assert setting_flags("master", 2.0**24, "emulate")[-4:] == [
+        "--dtype",
+        "float16",
+        "--loss_scale_master_weights",
+        "true",
+    ]
+    model = save_tiny_bert(tmp_path / "model")
+    text = tmp_path / "text.txt"
+    text.write_text("\n".join(f"a short line of words number {i} for a tiny model" for i in range(60)))
+    out = tmp_path / "cmp"
+    code = main([
+        "compare", str(Path(__file__).resolve().parents[1] / "recipes" / "language_modeling.py"), "--max_steps", "2",
+        "--output_dir", str(out), "--settings", "fp32,master", "--launcher", "python",
+        "--", "--model_name_or_path", str(model), "--objective", "clm", "--train_file", str(text),
+        "--block_size", "16", "--per_device_train_batch_size", "2", "--report_to", "none",
+        "--save_strategy", "no", "--disable_tqdm", "true", "--eval_strategy", "no",
+    ])  # fmt: skip
+    captured = capsys.readouterr()
+    assert code == 0, captured.out[-3000:] + captured.err[-3000:]
+    row = next(
+        line for line in (out / "summary.md").read_text().splitlines() if line.startswith("| FP16 weights")
+    )
+    assert row.rstrip(" |").endswith("ok"), row
+    start = next(
+        e
+        for e in read_run_events(out / "runs" / "master-seed0" / "loss_scale_log.jsonl")
+        if e["event"] == "run_start"
+    )
+    assert start["loss_scale_config"]["master_weights"] is True
+    assert json.loads((out / "metrics.json").read_text())["runs"][1]["setting"] == "master"

@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         model_args.tokenizer_name or model_args.model_name_or_path, **hub
     )
     auto = AutoModelForCausalLM if causal else AutoModelForMaskedLM
-    model = auto.from_pretrained(model_args.model_name_or_path, config=config, **hub)
+    model = auto.from_pretrained(model_args.model_name_or_path, config=config, **model_args.model_kwargs())
     if not causal and tokenizer.mask_token is None:
         raise ValueError(
             f"The tokenizer of {model_args.model_name_or_path} has no mask token: use --objective clm."

@@ -119,6 +119,23 @@ class ModelArguments:
     trust_remote_code: bool = field(
         default=False, metadata={"help": "Allow models and data sets that run their own code from the Hub."}
     )
+    dtype: str | None = field(
+        default=None,
+        metadata={
+            "help": "Load the model's weights in this dtype (as run_clm.py's --dtype): float16 holds them in FP16 "
+            "(with --fp16 the optimizer steps on FP32 master weights), float32, bfloat16, or auto (the "
+            "checkpoint's own). Default: transformers' (the checkpoint's own).",
+            "choices": ["auto", "float16", "bfloat16", "float32"],
+        },
+    )
+
+    def model_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of the model's own `from_pretrained` call: the Hub's and `dtype`."""
+        if self.dtype is None:
+            return self.hub_kwargs()
+        import torch
+
+        return {**self.hub_kwargs(), "dtype": "auto" if self.dtype == "auto" else getattr(torch, self.dtype)}
 
     def hub_kwargs(self) -> dict[str, Any]:
         """The keyword arguments every `from_pretrained` call of a recipe takes."""

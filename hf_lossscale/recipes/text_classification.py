@@ -374,7 +374,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         model_args.tokenizer_name or model_args.model_name_or_path, **hub
     )
     model = AutoModelForSequenceClassification.from_pretrained(
-        model_args.model_name_or_path, config=config, ignore_mismatched_sizes=True, **hub
+        model_args.model_name_or_path,
+        config=config,
+        ignore_mismatched_sizes=True,
+        **model_args.model_kwargs(),
     )
 
     def preprocess(batch):

@@ -28,6 +28,7 @@ def write_plots(results: list[RunResult], opts: argparse.Namespace, out: Path) -
         "static": "tab:red",
         "off": "tab:orange",
         "bf16": "tab:green",
+        "master": "tab:purple",
     }
 
     def style(seed: int) -> str:  # one line style per seed, in the order given

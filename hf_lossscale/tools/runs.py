@@ -15,6 +15,7 @@ SETTINGS: dict[str, str] = {
     "static": "FP16 + static scale",
     "off": "FP16, scaling off",
     "bf16": "BF16 (no scaler)",
+    "master": "FP16 weights + FP32 masters",
 }
 #: Each run's record (command, exit status, wall time), written when it ends; `--reuse_finished` reads it.
 RUN_RECORD = "run.json"
@@ -32,6 +33,7 @@ OWNED_FLAGS = (
     "--loss_scale_fp16_on_cpu",
     "--loss_scale_measure_flushed",
     "--loss_scale_event_log",
+    "--dtype",
 )
 
 
@@ -48,6 +50,15 @@ def setting_flags(
         return []
     if setting == "bf16":  # autocast to bfloat16 (native on CPU and CUDA), FP32 weights, no scaler
         return ["--bf16"] if _cuda_available() else ["--bf16", "--use_cpu", "true"]
+    if setting == "master":  # the model held in FP16, the optimizer on FP32 masters; dynamic scaling
+        flags = ["--fp16", "--loss_scale_mode", "dynamic", "--loss_scale_fp16_on_cpu", fp16_on_cpu, "--dtype", "float16",
+                 "--loss_scale_master_weights", "true"]  # fmt: skip
+        if dynamic_init_scale is not None:
+            flags += ["--loss_scale_init", repr(float(dynamic_init_scale))]
+            flags += ["--loss_scale_max", repr(max(float(dynamic_init_scale), 2.0**24))]
+        if dynamic_growth_interval is not None:
+            flags += ["--loss_scale_growth_interval", str(dynamic_growth_interval)]
+        return flags
     flags = ["--fp16", "--loss_scale_mode", setting, "--loss_scale_fp16_on_cpu", fp16_on_cpu]
     if setting == "static":
         flags += ["--loss_scale_init", repr(float(static_scale))]
