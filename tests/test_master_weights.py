@@ -33,26 +33,6 @@ def _optimizer(kind, params):
     return torch.optim.AdamW(params, lr=1e-2, fused=kind == "fused", foreach=kind == "foreach")
 
 
-def _reference(model, kind, steps, scale, inf_at=()):
-    """The obvious implementation: FP32 copies, cast the FP16 gradient, unscale, check, step, copy back."""
-    masters = [p.detach().float().requires_grad_() for p in model.parameters()]
-    opt = _optimizer(kind, masters)
-    for i in range(steps):
-        model.zero_grad()
-        (_loss(model, i) * scale).backward()
-        if i in inf_at:
-            next(model.parameters()).grad[0, 0] = float("inf")
-        grads = [p.grad.float() / scale for p in model.parameters()]
-        if all(torch.isfinite(g).all() for g in grads):
-            for m, g in zip(masters, grads, strict=True):
-                m.grad = g
-            opt.step()
-            with torch.no_grad():
-                for p, m in zip(model.parameters(), masters, strict=True):
-                    p.copy_(m)
-    return masters
-
-
 @pytest.mark.parametrize("kind", ["foreach", "fused", "sgd"])
 def test_an_fp16_model_trains_on_fp32_masters_like_the_obvious_implementation(kind):
     """Bugs caught: the FP16 weights never written back (training does nothing), the gradients cast
