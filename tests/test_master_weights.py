@@ -331,3 +331,33 @@ def test_compare_runs_the_master_weights_setting(tmp_path, capsys):
     )
     assert start["loss_scale_config"]["master_weights"] is True
     assert json.loads((out / "metrics.json").read_text())["runs"][1]["setting"] == "master"
+
+
+@pytest.mark.cuda
+def test_cuda_master_weights_add_no_sync():
+    """An FP16 model on CUDA with fused AdamW on FP32 masters, one step skipped, under
+    `set_sync_debug_mode("error")` (run by benchmarks/gpu_check.sh, step 1): the hand-over, the step
+    and the write-back never wait for the GPU."""
+    model = _model().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = DynamicLossScaler(init_scale=2.0**10, telemetry_interval=0)
+
+    def step(i):
+        x, y = (t.cuda() for t in _batch(i))
+        scaler.scale((model(x).float() - y.float()).pow(2).mean()).backward()
+        if i == 3:
+            next(model.parameters()).grad.view(-1)[0] = float("inf")
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+
+    for i in range(2):  # warm up: the masters, the optimizer state, lazy init
+        step(i)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for i in range(2, 5):
+            step(i)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert scaler.stats()["skipped_steps"] == 1 and all(p.dtype == torch.float16 for p in model.parameters())
