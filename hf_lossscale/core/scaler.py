@@ -52,7 +52,8 @@ def _tracing_or_capturing() -> bool:
 # Why a subclass of torch's GradScaler: code that takes "a GradScaler" checks it with isinstance
 # (torch's optimizers that take `grad_scaler=`, type-checked training loops), and a drop-in must pass.
 # Nothing of torch's implementation runs: __init__ is not called and every method torch's class
-# defines is overridden here (tests/test_torch_gradscaler_contract.py holds that to the list).
+# defines is overridden, here or in the mixins (update_rule, step_flags, torch_surface);
+# tests/test_torch_gradscaler_contract.py holds that to the list.
 class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp.GradScaler):
     """Loss scaler with a floor, a ceiling, hysteresis, static and off modes, and skip counters.
 
