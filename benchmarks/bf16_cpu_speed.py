@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -51,6 +52,8 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", default=None)
     opts = parser.parse_args(argv)
+    # SIGTERM as Ctrl-C: subprocess.run then kills the running child before the exit
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     out = {"cpu": _cpu_name(), "threads": opts.threads, "rows": {}}
     for label, extra in (
         ("as dispatched", {}),

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -69,14 +70,9 @@ grad_peak = 0
 for _ in range(2):
     opt.zero_grad()
     model.zero_grad()
-    if half:
-        loss = model(input_ids=ids, labels=ids).loss
-    else:
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=False):  # FP32 compute: the memory layout of autocast's FP32 weights
-            loss = model(input_ids=ids, labels=ids).loss
+    loss = model(input_ids=ids, labels=ids).loss  # FP32 rows compute in FP32: their weights are autocast's
     scaler.scale(loss.float()).backward()
     fp16_grads = sum(p.grad.numel() * p.grad.element_size() for p in (lora or model.parameters()) if p.grad is not None)
-    master_grads = sum(p.numel() * 4 for _, p in scaler.master_weights.pairs(opt)) if half else 0
     grad_peak = max(grad_peak, fp16_grads + (sum(p.numel() * 4 for p in params if p.dtype == torch.float16) if half else 0))
     scaler.step(opt)
     scaler.update()
@@ -139,16 +135,15 @@ def step_cost(repeats: int, n_tensors: int = 40, numel: int = 262_144) -> dict:
     masters.attach(opt)
     pairs = masters.pairs(opt)
 
+    scaler.master_weights = masters  # the masters attached above: the scaler reads into them
+
     def ours():
         for h, g in zip(halves, grads, strict=True):
             h.grad = g
         scaler._per_optimizer_states.clear()
         scaler.unscale_(opt)  # gather (one read of each FP16 gradient) + unscale and check on FP32
-        scaler.master_weights = masters
         for _, m in pairs:
             m.grad = None
-
-    scaler.master_weights = masters
 
     def obvious():
         inv = 1.0 / scaler.get_scale()
@@ -188,6 +183,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=21)
     parser.add_argument("--no_memory", action="store_true")
     opts = parser.parse_args(argv)
+    # SIGTERM as Ctrl-C: subprocess.run then kills the running child before the exit
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     out = {"torch_threads": 1, "machine": os.uname().machine}
     cost = step_cost(3 if opts.quick else opts.repeats)
     out["step_cost"] = cost

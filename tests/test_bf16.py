@@ -1,16 +1,13 @@
 """BF16 only where the device computes it natively: the capability question, the demo's choice, and
 a forced BF16 run on a processor held to AVX2 (issue 41)."""
 
-from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import save_tiny_bert
+from tiny_models import run_tiny_compare
 
 from hf_lossscale.tools.bf16 import native_bf16
 from hf_lossscale.tools.demo import choose_bf16
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def _cpu(monkeypatch, *, avx512_bf16, amx, capability="AVX512"):
@@ -74,21 +71,9 @@ def test_a_forced_bf16_comparison_runs_on_a_processor_held_to_avx2(tmp_path, mon
     """`compare --settings fp32,bf16` with torch's kernels and oneDNN held to AVX2 (what a CPU without
     BF16 instructions runs): it warns with the measured slowdown before the runs, and the BF16 run
     still finishes, as BF16. Bug caught: the warning refusing instead of warning, or missing."""
-    from hf_lossscale.tools.cli import main
-
     monkeypatch.setenv("ATEN_CPU_CAPABILITY", "avx2")  # the runs' processes start with it
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
-    model = save_tiny_bert(tmp_path / "model")
-    text = tmp_path / "text.txt"
-    text.write_text("\n".join(f"a short line of words number {i} for a tiny model" for i in range(60)))
-    out = tmp_path / "cmp"
-    code = main([
-        "compare", str(ROOT / "recipes" / "language_modeling.py"), "--max_steps", "2", "--output_dir", str(out),
-        "--settings", "fp32,bf16", "--launcher", "python",
-        "--", "--model_name_or_path", str(model), "--objective", "clm", "--train_file", str(text),
-        "--block_size", "16", "--per_device_train_batch_size", "2", "--report_to", "none",
-        "--save_strategy", "no", "--disable_tqdm", "true", "--eval_strategy", "no",
-    ])  # fmt: skip
+    code, out = run_tiny_compare(tmp_path, "fp32,bf16")
     captured = capsys.readouterr()
     assert code == 0, captured.out[-3000:] + captured.err[-3000:]
     assert "ONEDNN_MAX_CPU_ISA=AVX2" in captured.err and "slower than FP32" in captured.err

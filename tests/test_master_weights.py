@@ -3,7 +3,6 @@ FP16 gradient read once into them, the FP16 weights written back; skips touch no
 travel with the optimizer's state."""
 
 import copy
-from pathlib import Path
 
 import pytest
 import torch
@@ -295,10 +294,9 @@ def test_compare_runs_the_master_weights_setting(tmp_path, capsys):
     the FP16 model refused."""
     import json
 
-    from tiny_models import save_tiny_bert
+    from tiny_models import run_tiny_compare
 
     from hf_lossscale.core.events import read_run_events
-    from hf_lossscale.tools.cli import main
     from hf_lossscale.tools.runs import setting_flags
 
     assert setting_flags("master", 2.0**24, "emulate")[-4:] == [
@@ -307,17 +305,7 @@ def test_compare_runs_the_master_weights_setting(tmp_path, capsys):
         "--loss_scale_master_weights",
         "true",
     ]
-    model = save_tiny_bert(tmp_path / "model")
-    text = tmp_path / "text.txt"
-    text.write_text("\n".join(f"a short line of words number {i} for a tiny model" for i in range(60)))
-    out = tmp_path / "cmp"
-    code = main([
-        "compare", str(Path(__file__).resolve().parents[1] / "recipes" / "language_modeling.py"), "--max_steps", "2",
-        "--output_dir", str(out), "--settings", "fp32,master", "--launcher", "python",
-        "--", "--model_name_or_path", str(model), "--objective", "clm", "--train_file", str(text),
-        "--block_size", "16", "--per_device_train_batch_size", "2", "--report_to", "none",
-        "--save_strategy", "no", "--disable_tqdm", "true", "--eval_strategy", "no",
-    ])  # fmt: skip
+    code, out = run_tiny_compare(tmp_path, "fp32,master")
     captured = capsys.readouterr()
     assert code == 0, captured.out[-3000:] + captured.err[-3000:]
     row = next(

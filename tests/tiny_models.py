@@ -1,5 +1,7 @@
 """Tiny models and data built from configs (no download)."""
 
+from pathlib import Path
+
 import torch
 
 
@@ -75,3 +77,24 @@ def save_tiny_bert(path, max_position_embeddings=128):
     BertForMaskedLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return str(path)
+
+
+def run_tiny_compare(folder, settings: str, steps: int = 2) -> tuple[int, Path]:
+    """`hf-lossscale compare` of `settings` on a tiny BERT causal LM and a few lines of text, each run
+    started with the plain interpreter; returns (exit status, the output folder)."""
+    from hf_lossscale.tools.cli import main
+
+    folder = Path(folder)
+    model = save_tiny_bert(folder / "model")
+    text = folder / "text.txt"
+    text.write_text("\n".join(f"a short line of words number {i} for a tiny model" for i in range(60)))
+    out = folder / "cmp"
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "language_modeling.py"
+    code = main([
+        "compare", str(recipe), "--max_steps", str(steps), "--output_dir", str(out),
+        "--settings", settings, "--launcher", "python",
+        "--", "--model_name_or_path", str(model), "--objective", "clm", "--train_file", str(text),
+        "--block_size", "16", "--per_device_train_batch_size", "2", "--report_to", "none",
+        "--save_strategy", "no", "--disable_tqdm", "true", "--eval_strategy", "no",
+    ])  # fmt: skip
+    return code, out

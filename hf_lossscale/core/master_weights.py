@@ -39,6 +39,18 @@ class MasterWeights:
     def __init__(self) -> None:
         # id(optimizer) -> [(the FP16 parameter, its FP32 master)]
         self._pairs: dict[int, list[tuple[torch.nn.Parameter, torch.nn.Parameter]]] = {}
+        self._seen: set[int] = set()  # optimizers looked at for trainable FP16 parameters
+        self._keyed: set[int] = set()  # optimizers whose state holds each master (see write_back)
+
+    def prepare(self, optimizer: torch.optim.Optimizer) -> None:
+        """Masters for the optimizer's trainable FP16 parameters the first time it is seen (none when it
+        has none), then this iteration's FP16 gradients read into them."""
+        inner = _inner(optimizer)
+        if id(inner) not in self._seen:
+            self._seen.add(id(inner))
+            if self.half_trainable(inner):
+                self.attach(inner)
+        self.gather(inner)
 
     # ------------------------------------------------------------------ attach
     @staticmethod
@@ -89,6 +101,7 @@ class MasterWeights:
                         params[i] = master
                         pairs.append((half, master))
         self._pairs[id(inner)] = pairs
+        self._seen.add(id(inner))
         if pairs:
             inner.register_load_state_dict_post_hook(_restore_masters)
         return len(pairs)
@@ -103,7 +116,7 @@ class MasterWeights:
         for half, master in self.pairs(optimizer):
             if half.grad is None:
                 continue
-            if master.grad is None or master.grad.shape != half.grad.shape:
+            if master.grad is None:  # freed after each step (write_back / release)
                 master.grad = torch.empty_like(master)
             halves.append(half.grad)
             masters.append(master.grad)
@@ -119,12 +132,14 @@ class MasterWeights:
             return
         with torch.no_grad():
             torch._foreach_copy_([h for h, _ in pairs], [m for _, m in pairs])
-        state = _inner(optimizer).state
         for _, master in pairs:
             master.grad = None
-            entry = state.get(master)
-            if entry and STATE_KEY not in entry:  # once the optimizer made its own state (first step)
-                entry[STATE_KEY] = master
+        inner = _inner(optimizer)
+        if id(inner) not in self._keyed and all(inner.state.get(m) for _, m in pairs):
+            # once the optimizer made its own state (its first step: it makes it on an empty entry)
+            for _, master in pairs:
+                inner.state[master][STATE_KEY] = master
+            self._keyed.add(id(inner))
 
     def release(self, optimizer: torch.optim.Optimizer) -> None:
         """After a skipped step: the masters' gradients freed (masters and weights untouched)."""

@@ -131,7 +131,6 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
         self._flags: dict[torch.device, tuple[torch.Tensor, ...]] = {}  # see _flag_views
         self._found_taken = False  # whether this iteration's check used the flags buffer (_new_found)
         self._grad_sentinel: torch.nn.Parameter | None = None  # see _drop_stale_probe
-        self._master_checked: set[int] = set()  # optimizers looked at for FP16 parameters (master weights)
         #: Device flags of the last update: its loss was non-finite / it backed the scale off.
         self.last_loss_nonfinite: torch.Tensor | None = None
         # the last update's backoff: a bool flag, or (fast rule) its float overflow flag, compared on request
@@ -768,6 +767,7 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
             ("_flags", {}),
             ("_found_taken", False),
             ("_grad_sentinel", None),
+            ("master_weights", MasterWeights()),
         ):
             self.__dict__.setdefault(name, value)  # a scaler pickled by an earlier version
 

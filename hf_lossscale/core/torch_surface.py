@@ -113,14 +113,8 @@ class TorchGradScalerSurface:
     def _gather_masters(self, optimizer: torch.optim.Optimizer) -> None:
         """With `config.master_weights`: FP32 masters for the optimizer's trainable FP16 parameters (at
         its first step), and this iteration's FP16 gradients read into them (nothing when none)."""
-        if self.config.master_weights is False:
-            return
-        masters = self.master_weights
-        if id(optimizer) not in self._master_checked:  # once per optimizer: any trainable FP16 one?
-            self._master_checked.add(id(optimizer))
-            if masters.half_trainable(optimizer):
-                masters.attach(optimizer)
-        masters.gather(optimizer)
+        if self.config.master_weights is not False:
+            self.master_weights.prepare(optimizer)
 
     def _grads_by_device_and_dtype(self, optimizer: torch.optim.Optimizer, allow_fp16: bool = False):
         grouped: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(

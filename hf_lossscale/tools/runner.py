@@ -145,14 +145,16 @@ def _signal_tree(proc: subprocess.Popen, sig: int) -> None:
 def stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
     """Stop a run's whole process tree: SIGTERM, then SIGKILL after `grace_s`; whatever of the tree
     outlived its leader is killed too."""
+    if proc.poll() is not None and not STOPPING.is_set():
+        return  # it ended by itself: its launcher waited for its own children
     if proc.poll() is None:
         _signal_tree(proc, signal.SIGTERM)
         try:
             proc.wait(grace_s)
         except subprocess.TimeoutExpired:
-            _signal_tree(proc, signal.SIGKILL)
-            proc.wait()
-    _signal_tree(proc, signal.SIGKILL)  # a grandchild left behind by its exiting parent
+            pass
+    _signal_tree(proc, signal.SIGKILL)  # what of the tree outlived the launcher (or the grace)
+    proc.wait()
 
 
 def on_signal(signum, frame):
