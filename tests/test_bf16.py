@@ -1,7 +1,6 @@
 """BF16 only where the device computes it natively: the capability question, the demo's choice, and
 a forced BF16 run on a processor held to AVX2 (issue 41)."""
 
-
 import pytest
 import torch
 from tiny_models import run_tiny_compare
