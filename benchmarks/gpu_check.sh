@@ -12,6 +12,7 @@
 # tool): cuda_tests.txt, gpu_check.json, step_overhead.json, demo_summary.md, demo_metrics.json,
 # demo_long_summary.md, demo_long_metrics.json, fp32_module_cost.json, op_count.json. The time
 # boxes add up to 600 s at most (GPU_CHECK_STEPS picks steps for a rerun); measured runs are shorter.
+# Step 8 runs only when asked for (GPU_CHECK_STEPS="1 8": 80 + 430 s): it needs most of a call.
 #   1. the CUDA tests (pytest -m cuda): among them no host sync under
 #      torch.cuda.set_sync_debug_mode("error") on the fused path (tests/test_scaler.py) and through
 #      clip_grad_norm_ over runs with skipped steps (tests/test_clip.py); a step (scale, backward, fused
@@ -23,7 +24,10 @@
 #   5. the same at 400 optimizer steps instead of the demo's own horizon;
 #   6. what one module in FP32 (the forward-overflow remedy) costs on MiniLM-L6 (benchmarks/fp32_module_cost.py);
 #   7. ops per step on CUDA, and kernels and time per whole step on a small MLP (the launch-bound
-#      case), eager and captured in a CUDA graph, no scaler / torch / ours (benchmarks/op_count.py).
+#      case), eager and captured in a CUDA graph, no scaler / torch / ours (benchmarks/op_count.py);
+#   8. the reproduced benchmarks shakespeare-clm and sst2 (benchmarks/reproduce/run.py), three seeds,
+#      FP32 / FP16 autocast + dynamic / FP16 weights + FP32 masters / FP16 weights without masters,
+#      six runs at a time on the one GPU: results/<name>-h200.json (data from .whl/data.tar.gz).
 # Without a GPU every CUDA step says "skipped: no GPU"; nothing is reported as passed that did not run.
 # GPU_CHECK_TIME_SCALE=N (default 1) multiplies every time box: for a slow or loaded machine that
 # runs the script for its logic (tests/test_benchmarks.py), never on the lent GPU machine.
@@ -132,10 +136,23 @@ if [ "$CUDA" = 1 ]; then
     echo "-- scaler $w, clip $c"; "$0" benchmarks/op_count.py --graph_probe "$w" --graph_probe_clip "$c" || rc=1; done; done; exit $rc' "$PY"
   step "7. ops, kernels and time per step on CUDA" 60 "$PY" benchmarks/op_count.py --device cuda \
     --json "$OUT/op_count.json"
+  # Master weights against FP32 and autocast FP16 on benchmark fine-tunes (what the CPU, where FP16
+  # weights compute natively at ~1/20 of FP32's speed, cannot afford). Each finished benchmark's
+  # results file comes back, also when the next one runs out of time.
+  if [ -f "$WHEELS/data.tar.gz" ]; then mkdir -p /tmp/data && tar xzf "$WHEELS/data.tar.gz" -C /tmp/data; fi
+  for bench_limit in shakespeare-clm:150 sst2:280; do
+    bench=${bench_limit%%:*}
+    step "8. reproduced benchmark $bench: fp32, dynamic, master, pure" "${bench_limit##*:}" "$PY" \
+      benchmarks/reproduce/run.py "$bench" --settings fp32,dynamic,master,pure --jobs 6 --data_dir /tmp/data \
+      --results_name "$bench-h200" --output_dir "/tmp/reproduce/$bench" ${MINILM_PATH:+-- --model_name_or_path "$MINILM_PATH"}
+    cp "benchmarks/reproduce/results/$bench-h200.json" "$OUT/" 2>/dev/null
+    [ -f "/tmp/reproduce/$bench/summary.md" ] && cp "/tmp/reproduce/$bench/summary.md" "$OUT/$bench-h200-summary.md"
+  done
 else
   skip "1. CUDA tests"; skip "2. emulation vs CUDA autocast"; skip "3. clip table and step overhead"
   skip "4. demo with real CUDA FP16"; skip "5. demo, 400 steps (40x longer)"
   skip "6. one module in FP32: memory and time on CUDA"; skip "7. ops, kernels and time per step on CUDA"
+  skip "8. reproduced benchmarks with master weights"
 fi
 results=$(cd "$OUT" && ls | grep -v -e '^summary.txt$' -e '^results.tar.gz$')
 packed="nothing else"

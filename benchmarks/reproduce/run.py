@@ -89,6 +89,7 @@ def build_command(name: str, opts: argparse.Namespace, extra: list[str]) -> list
         *(["--first_seed_only", "static"] if "static" in settings else []),
         *(["--reuse_finished"] if opts.reuse_finished else []),
         *(["--launch_config", opts.launch_config] if opts.launch_config else []),
+        *(["--jobs", str(opts.jobs)] if opts.jobs > 1 else []),
         "--",
         *_override(script_args, extra),
     ]  # fmt: skip
@@ -241,6 +242,8 @@ def main(argv: list[str] | None = None) -> int:
         "--max_steps", type=int, default=None, help="Default: the benchmark's (one epoch for sst2)."
     )
     parser.add_argument("--settings", default=None, help="Comma-separated; default: the benchmark's.")
+    parser.add_argument("--jobs", type=int, default=1,
+                        help="Passed to hf-lossscale compare: runs at a time (on one GPU, several small runs share it).")  # fmt: skip
     parser.add_argument("--data_dir", default=str(ROOT.parent / "shared" / "data"))
     parser.add_argument(
         "--output_dir", default=None, help="Default: runs/reproduce/<benchmark>/seeds-<seeds>."

@@ -164,6 +164,8 @@ def run_info(trainer: Any) -> dict[str, Any]:
         "loss_scale_config": scaler.config.to_dict() if scaler else None,
         # the modules that run in FP32 at the start (configured, the model's own, a resumed "auto")
         "fp32_modules": fp32_module_names(trainer.accelerator.unwrap_model(trainer.model)) if scaler else [],
+        # the dtypes the model's trainable weights are held in (elements per dtype): FP16 weights show here
+        "trainable_param_dtypes": trainable_dtypes(trainer.model),
         "world_size": args.world_size,
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "per_device_train_batch_size": args.per_device_train_batch_size,
@@ -176,6 +178,15 @@ def run_info(trainer: Any) -> dict[str, Any]:
             "accelerate": accelerate.__version__,
         },
     }
+
+
+def trainable_dtypes(model: Any) -> dict[str, int]:
+    """Elements of the trainable parameters per dtype, e.g. `{"torch.float16": 22713216}`."""
+    counts: dict[str, int] = {}
+    for p in model.parameters():
+        if p.requires_grad:
+            counts[str(p.dtype)] = counts.get(str(p.dtype), 0) + p.numel()
+    return counts
 
 
 class OverflowDiagnosisCallback(TrainerCallback):

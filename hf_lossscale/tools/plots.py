@@ -29,6 +29,7 @@ def write_plots(results: list[RunResult], opts: argparse.Namespace, out: Path) -
         "off": "tab:orange",
         "bf16": "tab:green",
         "master": "tab:purple",
+        "pure": "tab:brown",
     }
 
     def style(seed: int) -> str:  # one line style per seed, in the order given

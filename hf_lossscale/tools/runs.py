@@ -16,6 +16,7 @@ SETTINGS: dict[str, str] = {
     "off": "FP16, scaling off",
     "bf16": "BF16 (no scaler)",
     "master": "FP16 weights + FP32 masters",
+    "pure": "FP16 weights, no masters",
 }
 #: Each run's record (command, exit status, wall time), written when it ends; `--reuse_finished` reads it.
 RUN_RECORD = "run.json"
@@ -50,6 +51,8 @@ def setting_flags(
         return []
     if setting == "bf16":  # autocast to bfloat16 (native on CPU and CUDA), FP32 weights, no scaler
         return ["--bf16"] if _cuda_available() else ["--bf16", "--use_cpu", "true"]
+    if setting == "pure":  # what users try when they force FP16 weights: the optimizer steps them in FP16
+        return ["--dtype", "float16"]
     if setting == "master":  # the model held in FP16, the optimizer on FP32 masters; dynamic scaling
         flags = ["--fp16", "--loss_scale_mode", "dynamic", "--loss_scale_fp16_on_cpu", fp16_on_cpu, "--dtype", "float16",
                  "--loss_scale_master_weights", "true"]  # fmt: skip
