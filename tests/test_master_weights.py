@@ -350,11 +350,13 @@ def test_cuda_master_weights_add_no_sync():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
     scaler = DynamicLossScaler(init_scale=2.0**10, telemetry_interval=0)
 
+    batches = [[t.cuda() for t in _batch(i)] for i in range(5)]  # host-to-device copies sync: made before
+
     def step(i):
-        x, y = (t.cuda() for t in _batch(i))
+        x, y = batches[i]
         scaler.scale((model(x).float() - y.float()).pow(2).mean()).backward()
-        if i == 3:
-            next(model.parameters()).grad.view(-1)[0] = float("inf")
+        if i == 3:  # `grad[0] = inf` would copy the value from the host (a sync); fill_ launches a kernel
+            next(model.parameters()).grad.view(-1)[:1].fill_(float("inf"))
         scaler.step(opt)
         scaler.update()
         opt.zero_grad()

@@ -419,7 +419,8 @@ def test_cuda_fused_path_has_no_sync():
         for i in range(3):
             scaler.scale(torch.nn.functional.mse_loss(model(x), y)).backward()
             if i == 1:
-                next(model.parameters()).grad.view(-1)[0] = float("inf")  # a skipped step, still no sync
+                # a skipped step, still no sync (an indexed assignment copies the value from the host: a sync)
+                next(model.parameters()).grad.view(-1)[:1].fill_(float("inf"))
             scaler.unscale_(opt)
             scaler.step(opt)
             scaler.update()
