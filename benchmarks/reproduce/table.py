@@ -21,6 +21,12 @@ LABELS = {
 }
 START, END = "<!-- results:start -->", "<!-- results:end -->"
 HEADLINE = "<!-- headline:start -->", "<!-- headline:end -->"
+MASTERS = "<!-- masters:start -->", "<!-- masters:end -->"
+
+
+def on_gpu(result: dict) -> bool:
+    """Whether a results file's runs ran on a GPU (run.py's `machine()` says "no GPU" otherwise)."""
+    return "no GPU" not in result.get("machine", "no GPU")
 
 
 def load(path: Path) -> dict:
@@ -71,7 +77,7 @@ def verdicts(result: dict) -> list[dict]:
     if not any(r["setting"] == "fp32" for r in runs):
         return []
     out = []
-    for setting in ("dynamic", "static", "off", "bf16"):
+    for setting in ("dynamic", "static", "off", "bf16", "master", "pure"):
         if not any(r["setting"] == setting for r in runs):
             continue
         found = verdict.curve_finding(runs, setting, metric)
@@ -209,14 +215,32 @@ def render_tables(folder: Path) -> str:
 
 
 def render_headline(folder: Path) -> str:
-    """One row per benchmark for the project README: each setting's headline metric per seed (the
-    static 2^24 column only when some benchmark ran it)."""
+    """One row per benchmark run on this CPU, for the project README: each setting's headline metric
+    per seed (the static 2^24 column only when some benchmark ran it). GPU runs: `render_masters`."""
     files = sorted(Path(folder).glob("*.json"), key=lambda p: (p.stem != "sst2", p.stem))
-    results = [load(path) for path in files]
+    results = [r for r in map(load, files) if not on_gpu(r)]
     settings = ["fp32", "dynamic", "off"]
     for extra in ("static", "bf16"):  # a column only where some benchmark ran the setting
         if any(r["setting"] == extra for result in results for r in result["runs"]):
             settings.append(extra)
+    return _headline_table(results, settings)
+
+
+def render_masters(folder: Path) -> str:
+    """The benchmarks that ran FP16 weights (with FP32 masters, and without): FP32, autocast FP16 with
+    dynamic scaling, FP16 weights + masters, FP16 weights alone, per seed, with where they ran."""
+    files = sorted(Path(folder).glob("*.json"), key=lambda p: (p.stem != "sst2", p.stem))
+    results = [r for r in map(load, files) if any(x["setting"] in ("master", "pure") for x in r["runs"])]
+    settings = [
+        s
+        for s in ("fp32", "dynamic", "master", "pure")
+        if any(x["setting"] == s for r in results for x in r["runs"])
+    ]
+    where = sorted({r["machine"] for r in results})
+    return _headline_table(results, settings) + f"\nRan on: {'; '.join(where) or 'nothing yet'}.\n"
+
+
+def _headline_table(results: list[dict], settings: list[str]) -> str:
     header = ["benchmark", "metric", *(LABELS[s] for s in settings)]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for result in results:
