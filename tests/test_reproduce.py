@@ -393,3 +393,24 @@ def test_simulated_benchmark_is_judged_against_the_fp32_it_simulates(tmp_path):
     assert table.load(tmp_path / "shakespeare-scratch.json") == json.loads(
         (tmp_path / "shakespeare-scratch.json").read_text()
     )
+
+
+def test_gpu_master_runs_get_their_own_table(tmp_path):
+    """A results file whose FP16 ran on CUDA, with master and pure runs, goes to the master-weights
+    table (with its verdicts) and stays out of the CPU headline. Bugs caught: GPU rows mixed into a
+    table headed "measured on this CPU", or the master/pure settings left without a verdict."""
+    import json
+
+    cpu = synthetic({"fp32": [0.90, 0.93, 0.915], "dynamic": [0.901, 0.929, 0.915]})
+    gpu = synthetic({"fp32": [0.90, 0.93, 0.915], "master": [0.899, 0.931, 0.915], "pure": [0.5, 0.5, 0.5]})
+    for r in gpu["runs"]:
+        r["fp16"] = None if r["setting"] in ("fp32", "pure") else "cuda"
+    gpu["benchmark"], gpu["machine"] = "sst2-gpu", "x86_64, NVIDIA H200"
+    for name, result in (("sst2", cpu), ("sst2-gpu", gpu)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(result))
+    headline, masters = table.render_headline(tmp_path), table.render_masters(tmp_path)
+    assert "`sst2`" in headline and "`sst2-gpu`" not in headline
+    assert "`sst2-gpu`" in masters and "`sst2` " not in masters and "NVIDIA H200" in masters
+    row = next(line for line in masters.splitlines() if line.startswith("| `sst2-gpu`"))
+    master, pure = row.split(" | ")[-2:]
+    assert master.endswith("(no measurable difference)") and pure.endswith("(slowed) |"), row

@@ -89,7 +89,7 @@ def build_command(name: str, opts: argparse.Namespace, extra: list[str]) -> list
         *(["--first_seed_only", "static"] if "static" in settings else []),
         *(["--reuse_finished"] if opts.reuse_finished else []),
         *(["--launch_config", opts.launch_config] if opts.launch_config else []),
-        *(["--jobs", str(opts.jobs)] if opts.jobs > 1 else []),
+        *(["--jobs", str(opts.jobs)] if getattr(opts, "jobs", 1) > 1 else []),
         "--",
         *_override(script_args, extra),
     ]  # fmt: skip

@@ -25,8 +25,8 @@ MASTERS = "<!-- masters:start -->", "<!-- masters:end -->"
 
 
 def on_gpu(result: dict) -> bool:
-    """Whether a results file's runs ran on a GPU (run.py's `machine()` says "no GPU" otherwise)."""
-    return "no GPU" not in result.get("machine", "no GPU")
+    """Whether a results file's runs ran on a GPU: some run's FP16 was CUDA's."""
+    return any(r.get("fp16") == "cuda" for r in result["runs"])
 
 
 def load(path: Path) -> dict:
