@@ -73,7 +73,7 @@ def test_every_documented_import_path_imports(path):
 
 
 #: Modules that exist to integrate one optional library (the `trl` extra) and so import it.
-FOR_ONE_LIBRARY = {"trl_trainers"}
+FOR_ONE_LIBRARY = {"trl_trainers", "grpo"}
 
 
 def _tier_modules(tier: str) -> list[str]:

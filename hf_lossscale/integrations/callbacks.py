@@ -157,7 +157,9 @@ def run_info(trainer: Any) -> dict[str, Any]:
 
     scaler = loss_scaler_of(trainer)
     args = trainer.args
+    extra = trainer.loss_scale_run_info() if hasattr(trainer, "loss_scale_run_info") else {}
     return {
+        **extra,
         "mixed_precision": effective_mixed_precision(trainer.accelerator),
         # "emulated", "native-cpu", "cuda"; None when no DynamicLossScaler runs
         "fp16": getattr(trainer.accelerator, "hf_lossscale_fp16", None) if scaler else None,

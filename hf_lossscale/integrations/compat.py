@@ -64,6 +64,14 @@ INSTANCE_INTERNALS = [
     ("torch.optim.adamw", "AdamW", "_step_supports_amp_scaling"),
 ]
 
+# Private attributes of TRL's trainers (only with the `trl` extra), checked on a live trainer by
+# tests/test_grpo.py::test_a_skipped_grpo_step_advances_nothing (building one needs a model):
+TRL_INSTANCE_INTERNALS = [
+    # GRPOTrainer's micro-step counter (which generation slice a micro-batch takes, when to
+    # generate again): FP16GRPOTrainer rolls it back on a skipped step
+    ("trl.trainer.grpo_trainer", "GRPOTrainer", "_step"),
+]
+
 
 def major_minor(version: str) -> str:
     return ".".join(version.split("+")[0].split(".")[:2])

@@ -14,6 +14,9 @@ trainer = FP16SFTTrainer(model=model, args=args, train_dataset=data, processing_
 trainer.train()
 ```
 
+GRPO: `FP16GRPOTrainer` is skip-aware and measures the sampler/trainer mismatch with a
+`KVCacheSampler` as its `rollout_func` (`hf_lossscale.integrations.grpo`).
+
 Needs `pip install "hf_lossscale[trl]"`; tested against the TRL release in `_compat.TESTED_VERSIONS`.
 """
 
@@ -21,9 +24,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+from trl import DPOConfig, DPOTrainer, GRPOConfig, SFTConfig, SFTTrainer
 
 from .compat import warn_if_untested
+from .grpo import FP16GRPOTrainer, KVCacheSampler
 from .trainer import LossScaleMixin, LossScaleTrainingArguments
 
 __all__ = [
@@ -33,6 +37,7 @@ __all__ = [
     "FP16DPOTrainer",
     "FP16GRPOConfig",
     "FP16GRPOTrainer",
+    "KVCacheSampler",
 ]
 
 warn_if_untested()
@@ -59,7 +64,3 @@ class FP16SFTTrainer(LossScaleMixin, SFTTrainer):
 
 class FP16DPOTrainer(LossScaleMixin, DPOTrainer):
     """`trl.DPOTrainer` under a `DynamicLossScaler` (see `LossScaleMixin`)."""
-
-
-class FP16GRPOTrainer(LossScaleMixin, GRPOTrainer):
-    """`trl.GRPOTrainer` under a `DynamicLossScaler` (see `LossScaleMixin`)."""

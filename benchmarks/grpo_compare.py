@@ -1,0 +1,190 @@
+"""GRPO in FP16 + dynamic scaling against BF16 and FP32, three seeds, on this CPU: reward, the
+sampler/trainer mismatch tails and skipped steps per run, with paired verdicts.
+
+    python benchmarks/grpo_compare.py                      # runs (two one-thread streams), then the table
+    python benchmarks/grpo_compare.py --summarize_only     # the table from runs already made
+
+It runs `hf-lossscale compare recipes/grpo.py --settings fp32,dynamic,bf16` (so `--reuse_finished`
+resumes, and Ctrl-C stops every run within seconds, leaving no half-written result), then reads each
+run's event log: the per-step `mismatch` events of `FP16GRPOTrainer` and its train logs (`reward`).
+The sampler is `KVCacheSampler` (generation with a KV cache) in the trainer's precision; the policy
+a 2-layer 128-wide GPT-2 from scratch (seeded: the same initial weights in every setting); prompts
+are 16-token windows of the Python documentation and the reward is the share of a completion's words
+found in that text (`hf_lossscale/recipes/grpo.py`). FP16 is emulated on the CPU
+(`fp16_emulation(policy="cuda")`), BF16 is native autocast: these are not GPU measurements.
+
+Writes `results/grpo/grpo_cpu.json` (per run: every figure below, and the command) and
+`results/grpo/grpo_cpu.md` (the table).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+OUT = ROOT / "benchmarks" / "results" / "grpo"
+RECIPE_ARGS = [
+    "--per_device_train_batch_size", "16", "--num_generations", "8", "--max_completion_length", "16",
+    "--learning_rate", "2e-3", "--beta", "0.0", "--report_to", "none", "--save_strategy", "no",
+    "--disable_tqdm", "true", "--max_eval_prompts", "16",
+]  # fmt: skip
+SETTINGS = ("fp32", "dynamic", "bf16")
+LABEL = {"fp32": "FP32", "dynamic": "FP16 + dynamic scaling", "bf16": "BF16"}
+#: per run: (key, what it is, lower is better)
+FIGURES = [
+    ("reward_first", "mean reward, first 25 steps", False),
+    ("reward_last", "mean reward, last 25 steps", False),
+    ("steps_to_0.9", "first step whose reward >= 0.9", True),
+    ("eval_reward", "reward on held-out prompts, at the end", False),
+    ("mismatch_mean", "mean |Δ log p| (mean over steps)", True),
+    ("mismatch_p95", "p95 |Δ log p| (mean over steps)", True),
+    ("mismatch_max", "max |Δ log p| (over the run)", True),
+    ("outside_band", "tokens with ratio outside [0.9, 1.1] (mean over steps)", True),
+    ("k3_kl", "k3 KL(sampler || trainer) (mean over steps)", True),
+]
+
+
+def run_figures(folder: Path) -> dict:
+    """The figures of one run, from its event log."""
+    events = [
+        json.loads(line)
+        for line in (folder / "loss_scale_log.jsonl").read_text().splitlines()
+        if line.strip()
+    ]
+    logs = [e for e in events if e["event"] == "log" and "reward" in e and "loss" in e]
+    rows = [e for e in events if e["event"] == "mismatch"]
+    end = next((e for e in reversed(events) if e["event"] == "run_end"), {})
+    evals = [e for e in events if e["event"] == "log" and "eval_reward" in e]
+    rewards = [e["reward"] for e in logs]
+    reached = next((e["step"] for e in logs if e["reward"] >= 0.9), None)
+
+    def mean(key):
+        values = [r[key] for r in rows if r[key] == r[key]]
+        return statistics.fmean(values) if values else None
+
+    return {
+        "steps": len(logs),
+        "reward_first": statistics.fmean(rewards[:25]) if rewards else None,
+        "reward_last": statistics.fmean(rewards[-25:]) if rewards else None,
+        "steps_to_0.9": reached,
+        "eval_reward": evals[-1]["eval_reward"] if evals else None,
+        "mismatch_mean": mean("mean_abs_dlogp"),
+        "mismatch_p95": mean("p95_abs_dlogp"),
+        "mismatch_max": max((r["max_abs_dlogp"] for r in rows), default=None),
+        "outside_band": mean("outside_band_frac"),
+        "k3_kl": mean("k3_kl"),
+        "skipped_steps": end.get("skipped_steps"),
+        "total_steps": end.get("total_steps"),
+        "mismatch_steps": len(rows),
+    }
+
+
+def paired(runs: list[dict], setting: str, key: str, lower_better: bool, baseline: str = "fp32") -> dict:
+    """Paired gaps setting - baseline per seed, their mean and 95% t-interval, and a word."""
+    from hf_lossscale.tools.verdict import paired_verdict
+
+    records = [{"setting": r["setting"], "seed": r["seed"], "final_eval": {key: r[key]}} for r in runs
+               if r[key] is not None]  # fmt: skip
+    v = paired_verdict(records, setting, key, baseline=baseline)
+    interval = v.get("interval")
+    if v.get("n", 0) < 3 or interval is None:
+        word = "too few seeds"
+    elif interval[0] <= 0 <= interval[1]:
+        word = "no measurable difference"
+    else:
+        word = "lower" if interval[1] < 0 else "higher"
+        word += " (better)" if (word == "lower") == lower_better else " (worse)"
+    return {"gaps": v.get("gaps", []), "mean": v.get("mean"), "interval": interval, "word": word}
+
+
+def _fmt(x) -> str:
+    if x is None:
+        return "—"
+    if isinstance(x, int):
+        return str(x)
+    return f"{x:.3g}" if abs(x) < 0.01 and x != 0 else f"{x:.4f}"
+
+
+def render(result: dict) -> str:
+    runs = result["runs"]
+    lines = [f"Command: `{result['command']}`", "", f"Machine: {result['machine']}.", ""]
+    head = ["setting", "seed", *[k for k, _, _ in FIGURES], "skipped steps"]
+    lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in sorted(runs, key=lambda r: (SETTINGS.index(r["setting"]), r["seed"])):
+        cells = [LABEL[r["setting"]], str(r["seed"]), *[_fmt(r[k]) for k, _, _ in FIGURES],
+                 "—" if r["setting"] != "dynamic" else f"{r['skipped_steps'] or 0}/{r['total_steps']}"]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "Figures: " + "; ".join(f"`{k}` = {what}" for k, what, _ in FIGURES) + ".", ""]
+    lines += ["Paired verdicts (gap per seed in seed order, mean, 95% t-interval over 3 seeds):", ""]
+    lines += ["| figure | comparison | gaps | mean | 95% interval | verdict |", "|---|---|---|---|---|---|"]
+    for key, _, _ in FIGURES:
+        for setting, base in (("dynamic", "fp32"), ("bf16", "fp32"), ("bf16", "dynamic")):
+            v = result["verdicts"][key][f"{setting}-{base}"]
+            interval = (
+                "—" if v["interval"] is None else f"[{_fmt(v['interval'][0])}, {_fmt(v['interval'][1])}]"
+            )
+            lines.append(f"| `{key}` | {LABEL[setting]} − {LABEL[base]} | " + ", ".join(_fmt(g) for g in v["gaps"])
+                         + f" | {_fmt(v['mean'])} | {interval} | {v['word']} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def summarize(folder: Path, command: str) -> dict:
+    from hf_lossscale.tools.files import atomic_write_text
+
+    sys.path.insert(0, str(ROOT / "benchmarks" / "reproduce"))
+    from run import machine  # beside the reproduced benchmarks
+
+    runs = []
+    for setting in SETTINGS:
+        for run in sorted((folder / "runs").glob(f"{setting}-seed*")):
+            record = json.loads((run / "run.json").read_text()) if (run / "run.json").is_file() else {}
+            if record.get("returncode") != 0 or not (run / "loss_scale_log.jsonl").is_file():
+                continue
+            runs.append({"setting": setting, "seed": int(run.name.rsplit("seed", 1)[1]), **run_figures(run)})
+    verdicts = {key: {f"{s}-{b}": paired(runs, s, key, lower, baseline=b)
+                      for s, b in (("dynamic", "fp32"), ("bf16", "fp32"), ("bf16", "dynamic"))}
+                for key, _, lower in FIGURES}  # fmt: skip
+    result = {"command": command, "machine": machine(), "runs": runs, "verdicts": verdicts}
+    OUT.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(OUT / "grpo_cpu.json", json.dumps(result, indent=1) + "\n")
+    atomic_write_text(OUT / "grpo_cpu.md", render(result))
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--output_dir", default=str(ROOT / "runs" / "grpo-compare"))
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--max_steps", type=int, default=250)
+    parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--summarize_only", action="store_true")
+    opts = parser.parse_args(argv)
+    command = ["compare", str(ROOT / "recipes" / "grpo.py"), "--settings", ",".join(SETTINGS),
+               "--seeds", *map(str, opts.seeds), "--max_steps", str(opts.max_steps), "--jobs", str(opts.jobs),
+               "--no_flushed_probe", "--reuse_finished", "--output_dir", opts.output_dir, "--", *RECIPE_ARGS]  # fmt: skip
+    shown = "python benchmarks/grpo_compare.py" + (
+        f" --max_steps {opts.max_steps}" if opts.max_steps != 250 else ""
+    )
+    if not opts.summarize_only:
+        import os
+
+        os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+        from hf_lossscale.tools.cli import main as cli_main
+
+        status = cli_main(command)
+        if status != 0:
+            print(f"The comparison exited with status {status}; summarizing the runs that finished.")
+    result = summarize(Path(opts.output_dir), shown)
+    print(render(result))
+    print(f"Wrote {OUT / 'grpo_cpu.json'} and {OUT / 'grpo_cpu.md'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,314 @@
+"""GRPO in FP16: TRL's `GRPOTrainer` under a `DynamicLossScaler`, a skipped step that advances
+nothing, and the sampler/trainer mismatch measured while it trains.
+
+Qi et al. (2025, arXiv 2510.26788) trace most of the gap between the policy that samples and the
+policy that trains to BF16 rounding, and close it with FP16 plus a loss scaler. This module ties the
+scaler to TRL's GRPO:
+
+- `KVCacheSampler`, a `rollout_func` for `GRPOTrainer`: completions from `generate` with a KV cache
+  (an inference path of its own, not the training forward), in a precision of its own (`"fp16"`,
+  `"bf16"`, `"fp32"`, or `"auto"`: the trainer's), with the sampled tokens' log-probabilities.
+- `FP16GRPOTrainer`: compares those log-probabilities with the trainer's for the same tokens, read
+  from the training forward itself (a forward hook; no extra pass): per optimizer step the mean,
+  p95 and max of |Δ log p|, the share of tokens whose probability ratio leaves [0.9, 1.1] (the
+  truncated importance-sampling band) and the k3 estimate of KL(sampler || trainer), in the Trainer's
+  logs (`mismatch/...`, so TensorBoard too) and the event log (a `mismatch` event per step).
+  `run_start` records both precisions; a warning says when they differ.
+- A skipped step advances nothing: the LR scheduler is not stepped (as for every `LossScaleMixin`
+  trainer), the reference-model sync counts applied steps only (TRL's `SyncRefModelCallback` is
+  replaced), and TRL's micro-step counter is rolled back so the retried step reuses its generation
+  batch where TRL would have. TRL's GRPO keeps no adaptive KL or entropy controller (`beta` is fixed,
+  `top_entropy_quantile` is a per-batch mask); a controller of your own can be a callback wrapped in
+  `AppliedStepsOnly`. `state.global_step` counts optimizer steps attempted, as in every Hugging Face
+  FP16 run (`max_steps`, logging and saving keep their meaning); each skip is a `grpo_skip` event.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import warnings
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+from trl import GRPOTrainer
+from trl.trainer.callbacks import SyncRefModelCallback
+
+from ..fp16.emulation import fp16_emulation
+from .accelerate_hook import effective_mixed_precision, plain_forward
+from .callbacks import OverflowDiagnosisCallback
+from .trainer import LossScaleMixin
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["KVCacheSampler", "FP16GRPOTrainer", "AppliedStepsOnly", "mismatch_stats", "MISMATCH_BAND"]
+
+#: The truncated importance-sampling band: tokens whose probability ratio leaves it are counted.
+MISMATCH_BAND = (0.9, 1.1)
+_PRECISIONS = ("auto", "fp16", "bf16", "fp32")
+
+
+def trainer_precision(trainer: Any) -> str:
+    """`"fp16"`, `"bf16"` or `"fp32"`: what the trainer's forward computes in."""
+    mp = effective_mixed_precision(trainer.accelerator)
+    return {"fp16": "fp16", "bf16": "bf16"}.get(mp, "fp32")
+
+
+class KVCacheSampler:
+    """A `rollout_func` for `GRPOTrainer`: completions from `model.generate` with a KV cache, in the
+    sampler's own precision, and the log-probabilities of the tokens it drew.
+
+    Args:
+        precision: `"auto"` (the trainer's), `"fp16"`, `"bf16"` or `"fp32"`. FP16 on a CPU runs as the
+            trainer's does (emulated by default, `fp16_emulation(policy="cuda")`); BF16 is autocast.
+
+    Unlike a vLLM sampler, it runs the same module and weights as the trainer (no weight sync, no
+    separate kernels or batching): the gap it measures is the precision and the inference path
+    (incremental decoding with a cache against one full forward), not a second engine. Prompts of
+    one batch should have the same length in tokens (the recipe's do): left padding would give the
+    sampler position ids the training forward does not use.
+    """
+
+    def __init__(self, precision: str = "auto") -> None:
+        if precision not in _PRECISIONS:
+            raise ValueError(f"precision must be one of {_PRECISIONS}, got {precision!r}.")
+        self.precision = precision
+
+    def resolved(self, trainer: Any) -> str:
+        return trainer_precision(trainer) if self.precision == "auto" else self.precision
+
+    def context(self, trainer: Any) -> contextlib.AbstractContextManager:
+        precision, device = self.resolved(trainer), trainer.accelerator.device.type
+        if precision == "bf16":
+            return torch.autocast(device, dtype=torch.bfloat16)
+        if precision == "fp16":
+            if device == "cpu":  # the trainer's own CPU FP16 context when it has one, else emulation
+                own = getattr(trainer.accelerator, "_hf_lossscale_context", None)
+                return own() if own is not None else fp16_emulation("cuda")
+            return torch.autocast(device, dtype=torch.float16)
+        return contextlib.nullcontext()
+
+    @torch.no_grad()
+    def __call__(self, prompts: list[Any], trainer: Any) -> dict[str, Any]:
+        tokenizer = trainer.processing_class
+        texts = [
+            p if isinstance(p, str) else tokenizer.apply_chat_template(p, tokenize=False) for p in prompts
+        ]
+        encoded = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        if len({len(ids) for ids in encoded}) != 1:
+            raise ValueError(
+                "KVCacheSampler needs the prompts of a batch to have one length in tokens (left padding would "
+                f"give the sampler other position ids than the training forward); got lengths {sorted({len(i) for i in encoded})}."
+            )
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        device = trainer.accelerator.device
+        input_ids = torch.tensor(encoded, device=device)
+        eos = tokenizer.eos_token_id
+        was_training = model.training
+        model.eval()
+        try:
+            with plain_forward(model), self.context(trainer):
+                out = model.generate(
+                    input_ids=input_ids,
+                    attention_mask=torch.ones_like(input_ids),
+                    do_sample=True,
+                    temperature=trainer.temperature,
+                    top_k=0,
+                    top_p=1.0,
+                    max_new_tokens=trainer.max_completion_length,
+                    use_cache=True,
+                    output_logits=True,
+                    return_dict_in_generate=True,
+                    pad_token_id=tokenizer.pad_token_id,
+                    eos_token_id=eos,
+                )
+        finally:
+            model.train(was_training)
+        completions = out.sequences[:, input_ids.shape[1] :]
+        logits = torch.stack(out.logits, dim=1).float() / trainer.temperature  # (batch, new tokens, vocab)
+        logps = torch.log_softmax(logits, dim=-1).gather(-1, completions.unsqueeze(-1)).squeeze(-1)
+        completion_ids, logprobs = [], []
+        for ids, lp in zip(completions.tolist(), logps.tolist()):
+            end = ids.index(eos) + 1 if eos is not None and eos in ids else len(ids)
+            completion_ids.append(ids[:end])
+            logprobs.append(lp[:end])
+        return {"prompt_ids": encoded, "completion_ids": completion_ids, "logprobs": logprobs}
+
+
+def mismatch_stats(delta: torch.Tensor) -> torch.Tensor:
+    """Five device-side figures of `delta` = trainer log p - sampler log p over the sampled tokens:
+    mean |Δ|, p95 |Δ|, max |Δ|, the share of tokens whose ratio exp(Δ) leaves `MISMATCH_BAND`, and
+    k3 = mean(exp(Δ) - 1 - Δ) (an unbiased, non-negative estimate of KL(sampler || trainer))."""
+    delta = delta.float()
+    if delta.numel() == 0:
+        return torch.full((5,), float("nan"), device=delta.device)
+    a, ratio = delta.abs(), delta.exp()
+    outside = ((ratio < MISMATCH_BAND[0]) | (ratio > MISMATCH_BAND[1])).float().mean()
+    k3 = (ratio - 1 - delta).mean()
+    return torch.stack([a.mean(), torch.quantile(a, 0.95), a.max(), outside, k3])
+
+
+MISMATCH_KEYS = ("mean_abs_dlogp", "p95_abs_dlogp", "max_abs_dlogp", "outside_band_frac", "k3_kl")
+
+
+class AppliedStepsOnly(TrainerCallback):
+    """Wrap a callback so its `on_step_end` runs only on optimizer steps that were applied (not on
+    steps the scaler skipped): for a KL or entropy controller of your own."""
+
+    def __init__(self, inner: TrainerCallback, trainer: Any) -> None:
+        self.inner, self.trainer = inner, trainer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if not _step_skipped(self.trainer):
+            return self.inner.on_step_end(args, state, control, **kwargs)
+        return None
+
+
+def _step_skipped(trainer: Any) -> bool:
+    """Whether the optimizer step just taken was skipped (the flag the LR scheduler reads; no new sync)."""
+    return trainer.loss_scaler is not None and bool(trainer.accelerator.optimizer_step_was_skipped)
+
+
+class _GRPOStepCallback(TrainerCallback):
+    """Per optimizer step: finish the step's mismatch figures; on a skipped step, roll back TRL's
+    micro-step counter and record what did not advance; on an applied step, run the reference-model
+    sync on TRL's schedule counted in applied steps."""
+
+    def __init__(self, trainer: FP16GRPOTrainer) -> None:
+        self.trainer = trainer
+        self.applied_steps = 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        t = self.trainer
+        dropout = [n for n, m in t.accelerator.unwrap_model(t.model).named_modules()
+                   if isinstance(m, torch.nn.Dropout) and m.p > 0]  # fmt: skip
+        if dropout and t._sampler is not None:
+            warnings.warn(
+                f"{len(dropout)} dropout module(s) are active (e.g. {dropout[0]!r}): the sampler runs without them and "
+                "the training forward with them, so mismatch/ measures dropout too. Pass --disable_dropout true.",
+                stacklevel=2,
+            )
+        if t.sampler_precision is not None and t.sampler_precision != trainer_precision(t):
+            warnings.warn(
+                f"The sampler runs in {t.sampler_precision} and the trainer in {trainer_precision(t)}: the "
+                "policy that samples is not the policy that trains (expect a larger mismatch/ figures).",
+                stacklevel=2,
+            )
+
+    def on_step_end(self, args, state, control, **kwargs):
+        t = self.trainer
+        t._finish_mismatch_step(state.global_step)
+        lr = t.lr_scheduler.get_last_lr()[0] if t.lr_scheduler is not None else None
+        if _step_skipped(t):
+            accumulation = t.current_gradient_accumulation_steps
+            # TRL's micro-step counter (private: compat.TRL_INSTANCE_INTERNALS): the retry reuses this step's slice
+            t._step -= accumulation
+            t.loss_scale_events.write({
+                "event": "grpo_skip", "step": state.global_step, "applied_steps": self.applied_steps,
+                "learning_rate": lr, "scheduler_steps": getattr(t.lr_scheduler, "last_epoch", None),
+                "trl_micro_step": t._step, "ref_model_synced": False,
+                "loss_scale": t.loss_scaler.get_scale() if t.loss_scaler is not None else None,
+            })  # fmt: skip
+            return
+        self.applied_steps += 1
+        t.applied_steps = self.applied_steps
+        if (
+            t.ref_model is not None
+            and args.sync_ref_model
+            and self.applied_steps % args.ref_model_sync_steps == 0
+        ):
+            model = t.accelerator.unwrap_model(kwargs["model"])
+            SyncRefModelCallback.sync_target_model(model, t.ref_model, args.ref_model_mixup_alpha)
+
+
+class FP16GRPOTrainer(LossScaleMixin, GRPOTrainer):
+    """`trl.GRPOTrainer` under a `DynamicLossScaler` (see `LossScaleMixin`), skip-aware, measuring the
+    sampler/trainer mismatch when the sampler reports its log-probabilities (`rollout_func=
+    KVCacheSampler(...)`, or vLLM): see the module docstring. FP32 and BF16 runs measure it too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        rollout = kwargs.get("rollout_func")
+        #: the sampler's precision when known (a `KVCacheSampler`), else None
+        self._sampler = rollout if isinstance(rollout, KVCacheSampler) else None
+        self._mismatch_deltas: list[torch.Tensor] = []
+        self._mismatch_pending: list[tuple[int, torch.Tensor]] = []
+        self.applied_steps = 0
+        super().__init__(*args, **kwargs)
+        self.pop_callback(SyncRefModelCallback)  # replaced: the sync counts applied steps
+        # The overflow diagnosis replays a step's raw batches through `compute_loss`; GRPO's batches are
+        # prompts that become inputs only through generation, so the replay cannot run: skips are still
+        # counted, logged and backed off, without the per-module origin.
+        self.pop_callback(OverflowDiagnosisCallback)
+        # first, so that every other callback's on_step_end sees the step's bookkeeping done
+        self.callback_handler.callbacks.insert(0, _GRPOStepCallback(self))
+
+    @property
+    def sampler_precision(self) -> str | None:
+        return self._sampler.resolved(self) if self._sampler is not None else None
+
+    def loss_scale_run_info(self) -> dict[str, Any]:
+        """Added to `run_start`: both precisions, so a reader sees whether they differ."""
+        return {"rl": {"sampler_precision": self.sampler_precision, "trainer_precision": trainer_precision(self),
+                       "sampler": type(self._sampler).__name__ if self._sampler else None}}  # fmt: skip
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        sampled = inputs.get("sampling_per_token_logps") if self.model.training else None
+        if sampled is None:
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        captured: list[torch.Tensor] = []
+
+        def keep_scores(module, args, output):  # the training forward's own per-token scores
+            if not captured:
+                scores = getattr(output, "log_probs", None)  # TRL's fused LM head: log p of each label
+                scores = getattr(output, "logits", None) if scores is None else scores
+                if scores is not None:
+                    captured.append(scores.detach())
+
+        handle = self.accelerator.unwrap_model(model).register_forward_hook(keep_scores)
+        try:
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        finally:
+            handle.remove()
+        if captured:
+            completion_ids, mask = inputs["completion_ids"], inputs["completion_mask"].bool()
+            k, scores = completion_ids.shape[1], captured[0]
+            if scores.dim() == 2:  # log-probabilities from TRL's fused head (temperature applied)
+                trainer_logps = scores[:, -k:].float()
+            else:  # logits: score the tokens as TRL does without its fused head
+                logits = scores[:, :-1, :][:, -k:, :] / self.temperature
+                trainer_logps = torch.log_softmax(logits.float(), dim=-1).gather(
+                    -1, completion_ids.unsqueeze(-1)
+                )
+                trainer_logps = trainer_logps.squeeze(-1)
+            delta = trainer_logps - sampled
+            self._mismatch_deltas.append(delta[mask & ~sampled.isnan()])
+        return loss
+
+    def _finish_mismatch_step(self, step: int) -> None:
+        if self._mismatch_deltas:
+            stats = mismatch_stats(torch.cat(self._mismatch_deltas))
+            self._mismatch_pending.append((step, stats))
+            self._mismatch_deltas = []
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        if self._mismatch_pending and "loss" in logs:
+            steps = [s for s, _ in self._mismatch_pending]
+            values = torch.stack([v for _, v in self._mismatch_pending]).tolist()  # one read per log
+            self._mismatch_pending = []
+            for step, row in zip(steps, values):
+                self.loss_scale_events.write(
+                    {"event": "mismatch", "step": step, **dict(zip(MISMATCH_KEYS, row))}
+                )
+            columns = list(zip(*values))
+            for key, column in zip(MISMATCH_KEYS, columns):
+                finite = [v for v in column if v == v]
+                if finite:
+                    logs[f"mismatch/{key}"] = (
+                        max(finite) if key.startswith("max") else sum(finite) / len(finite)
+                    )
+            logs["applied_steps"] = self.applied_steps
+        super().log(logs, *args, **kwargs)

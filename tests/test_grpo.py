@@ -1,0 +1,158 @@
+"""GRPO in FP16 (`hf_lossscale.integrations.grpo`): a skipped step advances nothing, and the
+sampler/trainer mismatch is measured while it trains, on a tiny GPT-2 built from a config."""
+
+import json
+import math
+
+import pytest
+import torch
+from transformers import TrainerCallback
+
+pytest.importorskip("trl")
+
+
+@pytest.fixture(autouse=True)
+def _quiet_trl(monkeypatch):
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is "experimental" in TRL
+
+
+def grpo(tmp_path, callbacks=(), sampler="auto", steps=4, layers=1, width=32, prompt_tokens=8, **kw):
+    from datasets import Dataset
+
+    from hf_lossscale.integrations.grpo import FP16GRPOTrainer, KVCacheSampler
+    from hf_lossscale.integrations.trl_trainers import FP16GRPOConfig
+    from hf_lossscale.recipes.grpo import GRPOTaskArguments, build_model, corpus_text, prompts_from
+
+    task = GRPOTaskArguments(model_name_or_path=None, scratch_layers=layers, scratch_width=width)
+    out = tmp_path / "out"
+    model, tokenizer = build_model(task, str(out))
+    text = corpus_text(None)[:20000]
+    settings = dict(output_dir=str(out), fp16=True, use_cpu=True, max_steps=steps, per_device_train_batch_size=8,
+                    num_generations=4, max_completion_length=6, logging_steps=1, report_to=[], save_strategy="no",
+                    disable_tqdm=True, learning_rate=1e-2, lr_scheduler_type="linear", loss_scale_init=1024.0,
+                    beta=0.0)  # fmt: skip
+    args = FP16GRPOConfig(**{**settings, **kw})
+    trainer = FP16GRPOTrainer(model=model, args=args, processing_class=tokenizer,
+                              train_dataset=Dataset.from_dict({"prompt": prompts_from(text, tokenizer, prompt_tokens, 64)}),
+                              # the completion's length in characters: varies within every group, so every
+                              # step has a gradient (the vocabulary reward is often 0 for a whole group)
+                              reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
+                              rollout_func=KVCacheSampler(sampler),
+                              callbacks=list(callbacks))  # fmt: skip
+    for cb in callbacks:
+        cb.trainer = trainer  # the watcher reads TRL's counter and the reference model
+    trainer.train()
+    events = [json.loads(line) for line in (out / "loss_scale_log.jsonl").read_text().splitlines()]
+    return trainer, events
+
+
+class InjectAndWatch(TrainerCallback):
+    """Makes one gradient inf during the backward pass of optimizer step `bad` (1-based; a tensor
+    hook, so the scaler's check sees it wherever it runs), and after every step records what could
+    have advanced: policy and reference weights, the LR scheduler, TRL's micro-step counter."""
+
+    def __init__(self, bad):
+        self.bad, self.after, self.armed = bad, {}, False
+        self.trainer = None
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        param = next(p for p in model.parameters() if p.requires_grad)
+        param.register_hook(lambda g: torch.full_like(g, float("inf")) if self.armed else g)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.armed = state.global_step + 1 == self.bad
+
+    def on_step_end(self, args, state, control, model=None, lr_scheduler=None, **kwargs):
+        t = self.trainer
+        self.after[state.global_step] = {
+            "policy": [p.detach().clone() for p in model.parameters()],
+            "ref": [p.detach().clone() for p in t.ref_model.parameters()]
+            if t.ref_model is not None
+            else None,
+            "scheduler_steps": lr_scheduler.last_epoch,
+            "lr": lr_scheduler.get_last_lr()[0],
+            "trl_step": t._step,
+        }
+
+
+def _same(a, b):
+    return all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+def test_a_skipped_grpo_step_advances_nothing(tmp_path):
+    """An overflow injected at step 2 of 4, with a reference model synced every step (alpha 0.5):
+    step 2 leaves the policy, the reference model, the LR schedule and TRL's micro-step counter
+    where step 1 left them, and says so in a `grpo_skip` event; step 3 moves all of them again.
+    Bugs caught: TRL's own `SyncRefModelCallback` still mixing the (unchanged) policy into the
+    reference on the skipped step, the scheduler stepped on a skip, the counter left advanced (the
+    retry would take another slice of the generation batch), the sync never resuming."""
+    watch = InjectAndWatch(bad=2)
+    trainer, events = grpo(tmp_path, callbacks=[watch], beta=0.04, sync_ref_model=True, ref_model_sync_steps=1,
+                           ref_model_mixup_alpha=0.5)  # fmt: skip
+    a = watch.after
+    assert trainer.loss_scaler.stats()["skipped_steps"] == 1 and trainer.applied_steps == 3
+    assert _same(a[2]["policy"], a[1]["policy"]) and not _same(a[3]["policy"], a[2]["policy"])
+    assert _same(a[2]["ref"], a[1]["ref"]) and not _same(a[3]["ref"], a[2]["ref"])
+    assert a[2]["scheduler_steps"] == a[1]["scheduler_steps"] and a[2]["lr"] == a[1]["lr"]
+    assert a[3]["scheduler_steps"] == a[1]["scheduler_steps"] + 1
+    accumulation = trainer.current_gradient_accumulation_steps
+    assert a[2]["trl_step"] == a[1]["trl_step"] and a[3]["trl_step"] == a[1]["trl_step"] + accumulation
+    (skip,) = [e for e in events if e["event"] == "grpo_skip"]
+    assert skip["step"] == 2 and skip["applied_steps"] == 1 and skip["ref_model_synced"] is False
+    assert skip["scheduler_steps"] == a[1]["scheduler_steps"] and skip["trl_micro_step"] == a[1]["trl_step"]
+
+
+def test_mismatch_is_measured_against_the_training_forward(tmp_path):
+    """FP32 trainer, FP32 sampler: the sampler's log-probabilities (incremental decoding with a KV
+    cache) and the training forward's agree to rounding (max |Δ| < 1e-4), so the comparison lines up
+    token for token; a BF16 sampler against the same trainer moves them >= 10x further, is recorded
+    in `run_start` and warned about. Bugs caught: an off-by-one between logits and tokens, the
+    temperature applied on one side only, dropout in one path (each gives |Δ| ~ 0.1), the sampler
+    not running in its own precision, or a mismatch of zero by construction (the trainer's figures
+    compared with themselves)."""
+    same, events_same = grpo(tmp_path / "same", sampler="fp32", fp16=False, steps=2)
+    with pytest.warns(UserWarning, match="sampler runs in bf16 and the trainer in fp32"):
+        other, events_other = grpo(tmp_path / "other", sampler="bf16", fp16=False, steps=2)
+    rows_same = [e for e in events_same if e["event"] == "mismatch"]
+    rows_other = [e for e in events_other if e["event"] == "mismatch"]
+    assert [e["step"] for e in rows_same] == [1, 2] and [e["step"] for e in rows_other] == [1, 2]
+    assert all(0 < e["max_abs_dlogp"] < 1e-4 for e in rows_same), rows_same
+    assert all(o["mean_abs_dlogp"] > 10 * s["mean_abs_dlogp"] for o, s in zip(rows_other, rows_same))
+    start = next(e for e in events_other if e["event"] == "run_start")
+    assert start["rl"] == {
+        "sampler_precision": "bf16",
+        "trainer_precision": "fp32",
+        "sampler": "KVCacheSampler",
+    }
+    logs = [e for e in other.state.log_history if "loss" in e]
+    assert all("mismatch/p95_abs_dlogp" in e and "mismatch/k3_kl" in e for e in logs)
+
+
+def test_fp16_grpo_measures_a_smaller_mismatch_than_bf16(tmp_path):
+    """The paper's claim at its smallest: with the sampler in the trainer's precision, FP16 (with the
+    scaler, emulated) leaves the two policies closer than BF16 does. Bug caught: the FP16 sampler
+    running in FP32 or BF16, or the trainer's FP16 forward not emulated."""
+    # the recipe's policy and lengths (2 layers, 128 wide, 16-token prompts and completions): with
+    # one 32-wide layer and 6-token completions BF16's two paths round alike (|Δ| ~ 3e-7)
+    shape = dict(steps=2, layers=2, width=128, prompt_tokens=16, max_completion_length=16)
+    fp16, ev16 = grpo(tmp_path / "fp16", **shape)
+    bf16, evbf = grpo(tmp_path / "bf16", fp16=False, bf16=True, **shape)
+    m16 = [e["mean_abs_dlogp"] for e in ev16 if e["event"] == "mismatch"]
+    mbf = [e["mean_abs_dlogp"] for e in evbf if e["event"] == "mismatch"]
+    assert len(m16) == len(mbf) == 2 and all(b > 2 * f > 0 for b, f in zip(mbf, m16)), (m16, mbf)
+    assert next(e for e in ev16 if e["event"] == "run_start")["rl"]["sampler_precision"] == "fp16"
+
+
+def test_mismatch_stats():
+    """Known deltas: the band is on the probability ratio exp(Δ) (0.9 and 1.1 are not symmetric in
+    log space) and k3 is exp(Δ) - 1 - Δ. Bugs caught: the band applied to |Δ| (log 1.1 = 0.0953 and
+    -log 0.9 = 0.1054), k3 with the wrong sign convention (negative), p95 taken over signed Δ."""
+    from hf_lossscale.integrations.grpo import mismatch_stats
+
+    delta = torch.tensor([0.0, 0.1, -0.1, 0.2, -0.5])
+    mean, p95, mx, outside, k3 = mismatch_stats(delta).tolist()
+    assert mean == pytest.approx(0.18) and mx == pytest.approx(0.5)
+    assert p95 == pytest.approx(torch.quantile(delta.abs(), 0.95).item())
+    assert outside == pytest.approx(3 / 5)  # +0.1 (ratio 1.105), 0.2 and -0.5; not -0.1 (0.905)
+    assert k3 == pytest.approx(sum(math.exp(d) - 1 - d for d in delta.tolist()) / 5) and k3 > 0
+    assert all(math.isnan(v) for v in mismatch_stats(torch.zeros(0)).tolist())
