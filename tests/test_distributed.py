@@ -85,6 +85,24 @@ def test_ddp_through_accelerate(ranks):
     assert d0["history"][2]["scale"] == d0["history"][1]["scale"] == d1["history"][2]["scale"]
 
 
+def test_ddp_with_fp16_weights_steps_fp32_masters_alike_on_every_rank(ranks):
+    """A model held in FP16 under DDP (two gloo ranks): the all-reduce carries its FP16 gradients,
+    an inf in rank 1's gradient reaches rank 0 through it and both skip; the FP32 masters and the
+    FP16 weights written from them stay identical across ranks. Bugs caught: masters on one rank
+    only (or none: "Attempting to unscale FP16 gradients"), a rank stepping the inf, ranks drifting."""
+    d0, d1 = (r["ddp_masters"] for r in ranks)
+    assert d0["history"] == d1["history"] and d0["params"] == d1["params"] and d0["masters"] == d1["masters"]
+    assert [h["skipped"] for h in d0["history"]] == [False, False, True, False]
+    assert d0["history"][2]["unchanged"] and not d0["history"][3]["unchanged"]
+    assert {h["grad_dtype"] for h in d0["history"]} == {"torch.float16"}  # what the all-reduce carried
+    assert (
+        d0["n_masters"] == 4
+        and d0["param_dtypes"] == ["torch.float16"]
+        and d0["master_dtypes"] == ["torch.float32"]
+    )
+    assert d0["weights_are_rounded_masters"] and d1["weights_are_rounded_masters"]
+
+
 def test_scaler_state_round_trips_through_distributed_checkpoint(ranks):
     for r in ranks:
         assert r["fsdp2"]["dcp_loaded"] == r["fsdp2"]["dcp_saved"]

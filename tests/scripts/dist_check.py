@@ -6,6 +6,8 @@ Each rank writes OUT/rank<R>.json with what it saw, for tests/test_distributed.p
 - local: plain local tensors per rank (a home-made shard), with and without
   `sync_found_inf_across()`, the inf on rank 1 only;
 - ddp: Accelerate (MULTI_CPU, DDP) with install_loss_scaler, an inf loss on rank 1 only;
+- ddp_masters: the same with the model held in FP16 (FP32 masters), an inf gradient on rank 1 only:
+  the all-reduce carries the FP16 gradients (the inf reaches every rank), the masters step alike;
 - dcp: the scaler state saved and loaded with torch.distributed.checkpoint beside the FSDP2 model;
 - fsdp2_clip: `DynamicLossScaler.clip_grad_norm_` against `unscale_` + torch's `clip_grad_norm_`
   on DTensor gradients (the global norm), an inf in rank 1's shard at step 2.
@@ -166,6 +168,45 @@ def ddp(rank: int) -> dict:
     }
 
 
+def ddp_masters(rank: int) -> dict:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(mixed_precision="fp16", cpu=True)
+    scaler = install_loss_scaler(accelerator, overrides={"init_scale": 2.0**10})
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1)).half()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model, opt = accelerator.prepare(model, opt)
+    inner = accelerator.unwrap_model(model)
+    history = []
+    for step in range(4):
+        torch.manual_seed(10 + step * 2 + rank)
+        loss = model(torch.randn(4, 8).half()).float().pow(2).mean()
+        handle = None
+        if step == 2 and rank == 1:  # a gradient overflow on one rank: the all-reduce spreads it
+            handle = inner[0].weight.register_hook(lambda g: torch.full_like(g, float("inf")))
+        accelerator.backward(loss)
+        reduced_dtype = str(inner[0].weight.grad.dtype) if inner[0].weight.grad is not None else None
+        before = digest(inner.parameters())
+        opt.step()
+        opt.zero_grad()
+        if handle is not None:
+            handle.remove()
+        s = scaler.stats()
+        history.append({"skipped": accelerator.optimizer_step_was_skipped, "scale": s["loss_scale"],
+                        "unchanged": before == digest(inner.parameters()), "grad_dtype": reduced_dtype})  # fmt: skip
+    pairs = scaler.master_weights.pairs(opt)
+    return {
+        "history": history,
+        "params": digest(inner.parameters()),
+        "masters": digest(m for _, m in pairs),
+        "n_masters": len(pairs),
+        "param_dtypes": sorted({str(p.dtype) for p in inner.parameters()}),
+        "master_dtypes": sorted({str(m.dtype) for _, m in pairs}),
+        "weights_are_rounded_masters": all(torch.equal(h, m.half()) for h, m in pairs),
+    }
+
+
 def main() -> None:
     out_dir = sys.argv[1]
     dist.init_process_group("gloo")
@@ -176,6 +217,7 @@ def main() -> None:
     result["local_sync"] = local(rank, sync=True)
     result["local_nosync"] = local(rank, sync=False)
     result["ddp"] = ddp(rank)
+    result["ddp_masters"] = ddp_masters(rank)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
     dist.barrier()
