@@ -16,14 +16,16 @@ def _quiet_trl(monkeypatch):
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")  # rollout_func is "experimental" in TRL
 
 
-def grpo(tmp_path, callbacks=(), sampler="auto", steps=4, layers=1, width=32, prompt_tokens=8, **kw):
+def grpo(
+    tmp_path, callbacks=(), sampler="auto", steps=4, layers=1, width=32, prompt_tokens=8, dtype=None, **kw
+):
     from datasets import Dataset
 
     from hf_lossscale.integrations.grpo import FP16GRPOTrainer, KVCacheSampler
     from hf_lossscale.integrations.trl_trainers import FP16GRPOConfig
     from hf_lossscale.recipes.grpo import GRPOTaskArguments, build_model, corpus_text, prompts_from
 
-    task = GRPOTaskArguments(model_name_or_path=None, scratch_layers=layers, scratch_width=width)
+    task = GRPOTaskArguments(model_name_or_path=None, scratch_layers=layers, scratch_width=width, dtype=dtype)
     out = tmp_path / "out"
     model, tokenizer = build_model(task, str(out))
     text = corpus_text(None)[:20000]
@@ -156,3 +158,14 @@ def test_mismatch_stats():
     assert outside == pytest.approx(3 / 5)  # +0.1 (ratio 1.105), 0.2 and -0.5; not -0.1 (0.905)
     assert k3 == pytest.approx(sum(math.exp(d) - 1 - d for d in delta.tolist()) / 5) and k3 > 0
     assert all(math.isnan(v) for v in mismatch_stats(torch.zeros(0)).tolist())
+
+
+def test_grpo_trains_a_policy_held_in_fp16_on_masters(tmp_path):
+    """The policy loaded in FP16 (`--dtype float16`, as transformers 5 loads a half checkpoint): the
+    sampler generates with the FP16 weights, the optimizer steps FP32 masters, the weights stay FP16.
+    Bug caught: "Attempting to unscale FP16 gradients" on TRL's GRPO path (no masters)."""
+    trainer, events = grpo(tmp_path, steps=3, dtype="float16")
+    pairs = trainer.loss_scaler.master_weights.pairs(trainer.optimizer)
+    assert pairs and {str(p.dtype) for p in trainer.model.parameters()} == {"torch.float16"}
+    assert all(torch.equal(h, m.half()) for h, m in pairs) and trainer.loss_scaler.stats()["total_steps"] == 3
+    assert len([e for e in events if e["event"] == "mismatch"]) == 3

@@ -39,7 +39,7 @@ class LrRecorder(TrainerCallback):
         self.lrs.append(lr_scheduler.get_last_lr()[0])
 
 
-def sft(tmp_path, tokenizer, bad_steps=(), resume=None, **kw):
+def sft(tmp_path, tokenizer, bad_steps=(), resume=None, half=False, **kw):
     from datasets import Dataset
 
     from hf_lossscale.integrations.trl_trainers import FP16SFTConfig, FP16SFTTrainer
@@ -59,7 +59,8 @@ def sft(tmp_path, tokenizer, bad_steps=(), resume=None, **kw):
                     loss_scale_backoff_on_nonfinite_loss=True)  # fmt: skip
     args = FP16SFTConfig(**{**settings, **kw})
     recorder = LrRecorder()
-    trainer = Injecting(model=tiny_decoder(tokenizer), args=args, train_dataset=Dataset.from_dict({"text": TEXTS}),
+    model = tiny_decoder(tokenizer).half() if half else tiny_decoder(tokenizer)
+    trainer = Injecting(model=model, args=args, train_dataset=Dataset.from_dict({"text": TEXTS}),
                         processing_class=tokenizer, callbacks=[recorder])  # fmt: skip
     trainer.train(resume_from_checkpoint=resume)
     return trainer, recorder
@@ -127,3 +128,22 @@ def test_dpo_and_grpo_train_under_the_scaler(which, tmp_path, tokenizer):
     logs = [e for e in trainer.state.log_history if "loss" in e]
     assert len(logs) == 3 and all(e["loss_scale"] > 0 and e["fp16_emulated"] == 1.0 for e in logs)
     assert trainer.loss_scaler.stats()["total_steps"] == 3
+
+
+def test_sft_trains_a_model_held_in_fp16_on_fp32_masters(tmp_path, tokenizer):
+    """TRL's SFT trainer with the model held in FP16 (`master_weights="auto"`): the optimizer steps
+    FP32 masters, the model keeps FP16 weights equal to its masters rounded, an overflowed step moves
+    nothing, and the loss falls. Bugs caught: "Attempting to unscale FP16 gradients" (no masters in
+    TRL's optimizer path), the optimizer stepping the FP16 weights themselves (moments in FP16)."""
+    trainer, recorder = sft(tmp_path, tokenizer, bad_steps=(2,), half=True)
+    masters = trainer.loss_scaler.master_weights.pairs(trainer.optimizer)
+    assert masters and all(h.dtype == torch.float16 and m.dtype == torch.float32 for h, m in masters)
+    assert all(torch.equal(h, m.half()) for h, m in masters)
+    inner = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    moments = [
+        v for m in (m for _, m in masters) for k, v in inner.state[m].items() if k.startswith("exp_avg")
+    ]
+    assert moments and all(v.dtype == torch.float32 for v in moments)
+    logs = {e["step"]: e for e in trainer.state.log_history if "loss" in e}
+    assert logs[6]["skipped_steps"] == 1 and logs[6]["loss"] < logs[1]["loss"]
+    assert recorder.lrs[2] == recorder.lrs[1]
