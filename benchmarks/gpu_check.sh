@@ -12,7 +12,7 @@
 # tool): cuda_tests.txt, gpu_check.json, step_overhead.json, demo_summary.md, demo_metrics.json,
 # demo_long_summary.md, demo_long_metrics.json, fp32_module_cost.json, op_count.json. The time
 # boxes add up to 600 s at most (GPU_CHECK_STEPS picks steps for a rerun); measured runs are shorter.
-# Step 8 runs only when asked for (GPU_CHECK_STEPS="1 8": 80 + 430 s): it needs most of a call.
+# Steps 8 and 9 run only when asked for (GPU_CHECK_STEPS="1 8": 80 + 430 s; "9": 215 s).
 #   1. the CUDA tests (pytest -m cuda): among them no host sync under
 #      torch.cuda.set_sync_debug_mode("error") on the fused path (tests/test_scaler.py) and through
 #      clip_grad_norm_ over runs with skipped steps (tests/test_clip.py); a step (scale, backward, fused
@@ -27,7 +27,9 @@
 #      case), eager and captured in a CUDA graph, no scaler / torch / ours (benchmarks/op_count.py);
 #   8. the reproduced benchmarks shakespeare-clm and sst2 (benchmarks/reproduce/run.py), three seeds,
 #      FP32 / FP16 autocast + dynamic / FP16 weights + FP32 masters / FP16 weights without masters,
-#      six runs at a time on the one GPU: results/<name>-h200.json (data from .whl/data.tar.gz).
+#      six runs at a time on the one GPU: results/<name>-h200.json (data from .whl/data.tar.gz);
+#   9. the GRPO comparison (benchmarks/grpo_compare.py): FP32 / FP16 + dynamic / BF16, three seeds,
+#      nine runs at once, with native CUDA FP16 and BF16: grpo_h200.json and .md.
 # Without a GPU every CUDA step says "skipped: no GPU"; nothing is reported as passed that did not run.
 # GPU_CHECK_TIME_SCALE=N (default 1) multiplies every time box: for a slow or loaded machine that
 # runs the script for its logic (tests/test_benchmarks.py), never on the lent GPU machine.
@@ -148,11 +150,14 @@ if [ "$CUDA" = 1 ]; then
     cp "benchmarks/reproduce/results/$bench-h200.json" "$OUT/" 2>/dev/null
     [ -f "/tmp/reproduce/$bench/summary.md" ] && cp "/tmp/reproduce/$bench/summary.md" "$OUT/$bench-h200-summary.md"
   done
+  step "9. GRPO: FP32, FP16 + dynamic, BF16 on CUDA" 215 env TRL_EXPERIMENTAL_SILENCE=1 "$PY" benchmarks/grpo_compare.py \
+    --jobs 9 --output_dir /tmp/grpo --results_name grpo_h200 ${MINILM_PATH:+-- --tokenizer_name_or_path "$MINILM_PATH"}
+  cp benchmarks/results/grpo/grpo_h200.json benchmarks/results/grpo/grpo_h200.md "$OUT/" 2>/dev/null
 else
   skip "1. CUDA tests"; skip "2. emulation vs CUDA autocast"; skip "3. clip table and step overhead"
   skip "4. demo with real CUDA FP16"; skip "5. demo, 400 steps (40x longer)"
   skip "6. one module in FP32: memory and time on CUDA"; skip "7. ops, kernels and time per step on CUDA"
-  skip "8. reproduced benchmarks with master weights"
+  skip "8. reproduced benchmarks with master weights"; skip "9. GRPO on CUDA"
 fi
 results=$(cd "$OUT" && ls | grep -v -e '^summary.txt$' -e '^results.tar.gz$')
 packed="nothing else"

@@ -35,6 +35,8 @@ CARRIED = (
     # pure Python, not on that machine. transformers also lists `kernels` (a 2.6 MB binary wheel)
     # but runs without it (it asks whether it is installed), so it stays behind.
     "huggingface_hub", "httpx2", "httpcore2", "truststore",
+    # the GRPO comparison (step 9): TRL, pure Python; what it needs beyond the above is checked there
+    "trl",
 )  # fmt: skip
 # What those wheels need that the GPU machine has (KINDS.md, 2026-11), with our lower bounds
 # ("0": only present; where that machine's version is not on record, a lower bound would stop the

@@ -3,6 +3,7 @@ sampler/trainer mismatch tails and skipped steps per run, with paired verdicts.
 
     python benchmarks/grpo_compare.py                      # runs (two one-thread streams), then the table
     python benchmarks/grpo_compare.py --summarize_only     # the table from runs already made
+    python benchmarks/grpo_compare.py --jobs 9 --results_name grpo_h200 -- --tokenizer_name_or_path DIR  # a GPU
 
 It runs `hf-lossscale compare recipes/grpo.py --settings fp32,dynamic,bf16` (so `--reuse_finished`
 resumes, and Ctrl-C stops every run within seconds, leaving no half-written result), then reads each
@@ -132,7 +133,7 @@ def render(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def summarize(folder: Path, command: str) -> dict:
+def summarize(folder: Path, command: str, name: str = "grpo_cpu") -> dict:
     from hf_lossscale.tools.files import atomic_write_text
 
     sys.path.insert(0, str(ROOT / "benchmarks" / "reproduce"))
@@ -150,12 +151,14 @@ def summarize(folder: Path, command: str) -> dict:
                 for key, _, lower in FIGURES}  # fmt: skip
     result = {"command": command, "machine": machine(), "runs": runs, "verdicts": verdicts}
     OUT.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(OUT / "grpo_cpu.json", json.dumps(result, indent=1) + "\n")
-    atomic_write_text(OUT / "grpo_cpu.md", render(result))
+    atomic_write_text(OUT / f"{name}.json", json.dumps(result, indent=1) + "\n")
+    atomic_write_text(OUT / f"{name}.md", render(result))
     return result
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    own, extra = (argv[: argv.index("--")], argv[argv.index("--") + 1 :]) if "--" in argv else (argv, [])
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -164,10 +167,14 @@ def main(argv=None) -> int:
     parser.add_argument("--max_steps", type=int, default=250)
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--summarize_only", action="store_true")
-    opts = parser.parse_args(argv)
+    parser.add_argument("--results_name", default="grpo_cpu", help="Write results/grpo/<NAME>.json and .md.")
+    parser.add_argument(
+        "--write", action="store_true", help="Also put the table into docs/rl.md (its grpo markers)."
+    )
+    opts = parser.parse_args(own)
     command = ["compare", str(ROOT / "recipes" / "grpo.py"), "--settings", ",".join(SETTINGS),
                "--seeds", *map(str, opts.seeds), "--max_steps", str(opts.max_steps), "--jobs", str(opts.jobs),
-               "--no_flushed_probe", "--reuse_finished", "--output_dir", opts.output_dir, "--", *RECIPE_ARGS]  # fmt: skip
+               "--no_flushed_probe", "--reuse_finished", "--output_dir", opts.output_dir, "--", *RECIPE_ARGS, *extra]  # fmt: skip
     shown = "python benchmarks/grpo_compare.py" + (
         f" --max_steps {opts.max_steps}" if opts.max_steps != 250 else ""
     )
@@ -180,9 +187,15 @@ def main(argv=None) -> int:
         status = cli_main(command)
         if status != 0:
             print(f"The comparison exited with status {status}; summarizing the runs that finished.")
-    result = summarize(Path(opts.output_dir), shown)
+    result = summarize(Path(opts.output_dir), shown.strip(), opts.results_name)
     print(render(result))
-    print(f"Wrote {OUT / 'grpo_cpu.json'} and {OUT / 'grpo_cpu.md'}")
+    print(f"Wrote {OUT / (opts.results_name + '.json')} and {OUT / (opts.results_name + '.md')}")
+    if opts.write:
+        sys.path.insert(0, str(ROOT / "benchmarks" / "reproduce"))
+        from table import write_readme  # beside the reproduced benchmarks
+
+        write_readme(ROOT / "docs" / "rl.md", render(result), "<!-- grpo:start -->", "<!-- grpo:end -->")
+        print("Updated docs/rl.md")
     return 0
 
 

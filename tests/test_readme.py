@@ -28,6 +28,8 @@ NEEDS_DATA = "<!-- readme-test: needs data -->"  # reads ../shared/data without 
 #: (pattern, replacement, why): the short form of a command that runs for minutes in full.
 SHORT_FORMS = [
     (r"^make (\S+)$", r"make -n \1", "make targets install and run whole suites: a dry run shows the target and its commands"),
+    (r"(recipes/grpo\.py\b.*)--max_steps \d+", r"\1--max_steps=2", "GRPO: two optimizer steps (no row limits to pass)"),
+    (r"(benchmarks/grpo_compare\.py)\b.*", r"\1 --help", "nine GRPO runs take 40 CPU-minutes"),
     (r"--max_steps \d+", "--max_steps 2 --max_train_samples 32 --max_eval_samples 8 --max_seq_length 32",
      "a recipe: two optimizer steps on a few rows"),
     (r"(benchmarks/reproduce/run\.py) table --write", r"\1 table", "print the tables instead of rewriting the README"),

