@@ -56,6 +56,16 @@ def test_statements_with_fewer_than_three_seeds_give_no_verdict():
     assert "too few seeds for a paired verdict" in summary["statements"][-1]
 
 
+def test_a_zero_fp32_loss_has_no_relative_gap():
+    """GRPO's eval loss can be exactly 0 in FP32 (every advantage zero): the summary still comes out,
+    with the absolute gap and no percentage. Bug caught: a ZeroDivisionError after every run has
+    finished (it stopped the first GRPO comparison on the GPU before its summary)."""
+    results = [result(s, seed, 0.0) for s in ("fp32", "dynamic") for seed in (0, 1, 2)]
+    summary = summarize(results, opts(seeds=[0, 1, 2]))
+    assert summary["rows"]["dynamic"]["relative_gap"] is None
+    assert "mean gap +0.0000 against" in "\n".join(summary["statements"])
+
+
 def test_divergence_and_collapse_are_reported_as_such():
     results = [
         result("fp32", 0, 6.0),

@@ -80,7 +80,8 @@ def summarize(results: list[RunResult], opts: argparse.Namespace) -> dict[str, A
             row["verdict"] = row["finding"] = "incomplete"
             continue
         gap = row["eval_loss_mean"] - fp32["eval_loss_mean"]
-        rel = gap / abs(fp32["eval_loss_mean"])
+        # a loss whose FP32 mean is 0 (GRPO's eval loss can be) has no relative gap
+        rel = gap / abs(fp32["eval_loss_mean"]) if fp32["eval_loss_mean"] != 0 else None
         row["gap"], row["relative_gap"] = gap, rel
         row["slowdown"] = verdict.steps_to_reach(records, setting)
         sentence = f"{label}: " + paired_text(paired, "eval loss")
@@ -93,7 +94,8 @@ def summarize(results: list[RunResult], opts: argparse.Namespace) -> dict[str, A
                 "step(s), each of which costs a run its last learning-rate step: not a rounding-only floor."
             )
         spread = paired.get("seed_spread")
-        sentence += f" Unpaired, for reference: mean gap {gap:+.4f} ({rel:+.2%})" + (
+        shown_rel = f" ({rel:+.2%})" if rel is not None else ""
+        sentence += f" Unpaired, for reference: mean gap {gap:+.4f}{shown_rel}" + (
             f" against the largest seed-to-seed spread {spread:.4f}." if spread is not None else "."
         )
         sentence += " " + slowdown_text(row["slowdown"]) + f" Finding: **{row['finding']}**."
@@ -101,7 +103,7 @@ def summarize(results: list[RunResult], opts: argparse.Namespace) -> dict[str, A
             other = verdict.paired_verdict(records, setting, metric)
             row.setdefault("paired_metrics", {})[metric] = other
             sentence += f" {metric}: " + paired_text(other, metric)
-        if setting == "dynamic":
+        if setting == "dynamic" and rel is not None:
             within = abs(rel) <= 0.02
             row["within_2pct"] = within
             sentence += f" Within 2% of FP32: **{'yes' if within else 'no'}**."
