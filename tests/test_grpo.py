@@ -17,7 +17,16 @@ def _quiet_trl(monkeypatch):
 
 
 def grpo(
-    tmp_path, callbacks=(), sampler="auto", steps=4, layers=1, width=32, prompt_tokens=8, dtype=None, **kw
+    tmp_path,
+    callbacks=(),
+    sampler="auto",
+    steps=4,
+    layers=1,
+    width=32,
+    prompt_tokens=8,
+    dtype=None,
+    attn=None,
+    **kw,
 ):
     from datasets import Dataset
 
@@ -39,7 +48,7 @@ def grpo(
                               # the completion's length in characters: varies within every group, so every
                               # step has a gradient (the vocabulary reward is often 0 for a whole group)
                               reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
-                              rollout_func=KVCacheSampler(sampler),
+                              rollout_func=KVCacheSampler(sampler, attn),
                               callbacks=list(callbacks))  # fmt: skip
     for cb in callbacks:
         cb.trainer = trainer  # the watcher reads TRL's counter and the reference model
@@ -125,6 +134,7 @@ def test_mismatch_is_measured_against_the_training_forward(tmp_path):
         "sampler_precision": "bf16",
         "trainer_precision": "fp32",
         "sampler": "KVCacheSampler",
+        "sampler_attn_implementation": None,
     }
     logs = [e for e in other.state.log_history if "loss" in e]
     assert all("mismatch/p95_abs_dlogp" in e and "mismatch/k3_kl" in e for e in logs)
@@ -169,3 +179,16 @@ def test_grpo_trains_a_policy_held_in_fp16_on_masters(tmp_path):
     assert pairs and {str(p.dtype) for p in trainer.model.parameters()} == {"torch.float16"}
     assert all(torch.equal(h, m.half()) for h, m in pairs) and trainer.loss_scaler.stats()["total_steps"] == 3
     assert len([e for e in events if e["event"] == "mismatch"]) == 3
+
+
+def test_a_sampler_with_its_own_attention_kernel(tmp_path):
+    """`KVCacheSampler(attn_implementation="eager")` against the trainer's SDPA: in FP32 the two
+    kernels agree to rounding; the trainer gets its own kernel back after each generation. Bugs
+    caught: the eager kernel left in place for the training forward, or never switched on."""
+    trainer, events = grpo(tmp_path, sampler="fp32", fp16=False, steps=2, attn="eager")
+    model = trainer.accelerator.unwrap_model(trainer.model)
+    assert model.config._attn_implementation == "sdpa"
+    start = next(e for e in events if e["event"] == "run_start")
+    assert start["rl"]["sampler_attn_implementation"] == "eager"
+    rows = [e for e in events if e["event"] == "mismatch"]
+    assert len(rows) == 2 and all(0 < e["max_abs_dlogp"] < 1e-4 for e in rows), rows

@@ -62,6 +62,8 @@ class KVCacheSampler:
     Args:
         precision: `"auto"` (the trainer's), `"fp16"`, `"bf16"` or `"fp32"`. FP16 on a CPU runs as the
             trainer's does (emulated by default, `fp16_emulation(policy="cuda")`); BF16 is autocast.
+        attn_implementation: the attention kernel while sampling (`"eager"`, `"sdpa"`, ...; default:
+            the model's own), restored afterwards.
 
     Unlike a vLLM sampler, it runs the same module and weights as the trainer (no weight sync, no
     separate kernels or batching): the gap it measures is the precision and the inference path
@@ -70,10 +72,13 @@ class KVCacheSampler:
     sampler position ids the training forward does not use.
     """
 
-    def __init__(self, precision: str = "auto") -> None:
+    def __init__(self, precision: str = "auto", attn_implementation: str | None = None) -> None:
         if precision not in _PRECISIONS:
             raise ValueError(f"precision must be one of {_PRECISIONS}, got {precision!r}.")
         self.precision = precision
+        #: an attention kernel of the sampler's own (e.g. "eager" against the trainer's "sdpa"), as a
+        #: second inference engine has: the kernel differences that rounding then amplifies
+        self.attn_implementation = attn_implementation
 
     def resolved(self, trainer: Any) -> str:
         return trainer_precision(trainer) if self.precision == "auto" else self.precision
@@ -107,6 +112,9 @@ class KVCacheSampler:
         eos = tokenizer.eos_token_id
         was_training = model.training
         model.eval()
+        own_attn = model.config._attn_implementation
+        if self.attn_implementation is not None:
+            model.set_attn_implementation(self.attn_implementation)
         try:
             with plain_forward(model), self.context(trainer):
                 out = model.generate(
@@ -125,6 +133,8 @@ class KVCacheSampler:
                 )
         finally:
             model.train(was_training)
+            if self.attn_implementation is not None:
+                model.set_attn_implementation(own_attn)
         completions = out.sequences[:, input_ids.shape[1] :]
         logits = torch.stack(out.logits, dim=1).float() / trainer.temperature  # (batch, new tokens, vocab)
         logps = torch.log_softmax(logits, dim=-1).gather(-1, completions.unsqueeze(-1)).squeeze(-1)
@@ -252,8 +262,10 @@ class FP16GRPOTrainer(LossScaleMixin, GRPOTrainer):
 
     def loss_scale_run_info(self) -> dict[str, Any]:
         """Added to `run_start`: both precisions, so a reader sees whether they differ."""
+        sampler = self._sampler
         return {"rl": {"sampler_precision": self.sampler_precision, "trainer_precision": trainer_precision(self),
-                       "sampler": type(self._sampler).__name__ if self._sampler else None}}  # fmt: skip
+                       "sampler": type(sampler).__name__ if sampler else None,
+                       "sampler_attn_implementation": sampler.attn_implementation if sampler else None}}  # fmt: skip
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         sampled = inputs.get("sampling_per_token_logps") if self.model.training else None

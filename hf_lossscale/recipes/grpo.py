@@ -157,7 +157,7 @@ def main(argv=None) -> None:
         train_dataset=Dataset.from_dict({"prompt": train}),
         eval_dataset=Dataset.from_dict({"prompt": evals}) if args.do_eval and evals else None,
         processing_class=tokenizer,
-        rollout_func=KVCacheSampler(task.sampler_precision),
+        rollout_func=KVCacheSampler(task.sampler_precision, task.sampler_attn_implementation),
     )
     if args.do_train:
         result = trainer.train()
