@@ -265,7 +265,10 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
 
     @property
     def last_backed_off(self) -> torch.Tensor | None:
-        """A 0-d bool device flag: did the last update back the scale off? No sync."""
+        """A 0-d bool device flag: did the last update decide to back the scale off (an overflow
+        counted against it, the hysteresis budget spent)? No sync. At the floor the clamp can leave
+        the value where it was: whether it moved is `get_scale()` against the scale the step ran at
+        (telling the two apart here would cost one more device op in every update)."""
         if self._backed_off is not None and self._backed_off.dtype != torch.bool:
             self._backed_off = self._backed_off > 0  # one op, only when someone asks
         return self._backed_off
