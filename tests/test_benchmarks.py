@@ -283,3 +283,28 @@ def test_fp16_without_masters_benchmark_runs_both_arms(tmp_path):
     assert [r["arm"] for r in rows] == ["masters", "pure"]
     assert rows[0]["loss"][0] == rows[1]["loss"][0]
     assert len(rows[0]["lost_share"]) == 2 and all(0 <= x <= 1 for x in rows[0]["lost_share"])
+
+
+def test_torch_gradscaler_block_runner_rebinds_every_name(tmp_path):
+    """The runner of torch's GradScaler block, on a stand-in block that records which class each
+    GradScaler name resolves to: all three bound to ours (and torch's with REBIND=0). Bug caught: a
+    name left as torch's, so that part of torch's block would test torch against itself."""
+    import os
+    import subprocess
+    import sys
+
+    block = tmp_path / "block.py"
+    out = tmp_path / "names.txt"
+    block.write_text(
+        "import torch\n"
+        "def test_names():\n"
+        f"    open({str(out)!r}, 'w').write(' '.join(c.__module__ for c in (torch.GradScaler, torch.amp.GradScaler,"
+        " torch.amp.grad_scaler.GradScaler)))\n"
+    )
+    script = BENCH / "torch_gradscaler_block.py"
+    for rebind, expected in (("1", "hf_lossscale.core.scaler"), ("0", "torch.amp.grad_scaler")):
+        proc = subprocess.run([sys.executable, str(script), str(block), "-q"], capture_output=True, text=True,
+                              env={**os.environ, "REBIND": rebind}, timeout=300)  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+        assert out.read_text().split() == [expected] * 3
+    assert load("torch_gradscaler_block").main([]) == 2  # no block: says how to get one

@@ -58,7 +58,8 @@ class GRPOTaskArguments:
         default="auto", metadata={"help": "auto (the trainer's), fp16, bf16 or fp32."}
     )
     sampler_attn_implementation: str | None = field(
-        default=None, metadata={"help": "The sampler's attention kernel (e.g. eager); default: the model's own."}
+        default=None,
+        metadata={"help": "The sampler's attention kernel (e.g. eager); default: the model's own."},
     )
     dtype: str | None = field(default=None, metadata={"help": "Load the model's weights in this dtype."})
 
