@@ -192,3 +192,38 @@ def test_a_sampler_with_its_own_attention_kernel(tmp_path):
     assert start["rl"]["sampler_attn_implementation"] == "eager"
     rows = [e for e in events if e["event"] == "mismatch"]
     assert len(rows) == 2 and all(0 < e["max_abs_dlogp"] < 1e-4 for e in rows), rows
+
+
+def test_mismatch_reaches_tensorboard(tmp_path):
+    """The `mismatch/...` figures go where the Trainer's logs go: read back from TensorBoard's event
+    file, one value per step, equal to the event log's. Bug caught: figures kept in the event log
+    only (or written under another step)."""
+    pytest.importorskip("tensorboard")
+    from test_report_to import read_events
+
+    trainer, events = grpo(tmp_path, steps=2, report_to=["tensorboard"])
+    tb = read_events(tmp_path / "out")
+    written = {e.step: e.value for e in tb.Scalars("train/mismatch/p95_abs_dlogp")}
+    logged = {e["step"]: e["p95_abs_dlogp"] for e in events if e["event"] == "mismatch"}
+    assert sorted(written) == sorted(logged) == [1, 2]
+    assert all(written[s] == pytest.approx(logged[s], rel=1e-6) for s in logged)
+
+
+def test_applied_steps_only_skips_the_wrapped_callback_on_a_skipped_step(tmp_path):
+    """A controller of one's own wrapped in `AppliedStepsOnly` runs on applied steps only: with the
+    overflow at step 2 of 4 it sees steps 1, 3, 4. Bug caught: the wrapper forwarding every step (a
+    KL controller would then adapt on a step that changed nothing)."""
+    from hf_lossscale.integrations.grpo import AppliedStepsOnly
+
+    class Controller(TrainerCallback):
+        def __init__(self):
+            self.steps = []
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.steps.append(state.global_step)
+
+    controller, watch = Controller(), InjectAndWatch(bad=2)
+    wrapped = AppliedStepsOnly(controller, trainer=None)  # grpo() hands each callback the trainer once built
+    trainer, _ = grpo(tmp_path, callbacks=[watch, wrapped])
+    assert trainer.loss_scaler.stats()["skipped_steps"] == 1
+    assert controller.steps == [1, 3, 4]
