@@ -26,6 +26,7 @@ def grpo(
     prompt_tokens=8,
     dtype=None,
     attn=None,
+    resume=None,
     **kw,
 ):
     from datasets import Dataset
@@ -52,7 +53,7 @@ def grpo(
                               callbacks=list(callbacks))  # fmt: skip
     for cb in callbacks:
         cb.trainer = trainer  # the watcher reads TRL's counter and the reference model
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     events = [json.loads(line) for line in (out / "loss_scale_log.jsonl").read_text().splitlines()]
     return trainer, events
 
@@ -227,3 +228,16 @@ def test_applied_steps_only_skips_the_wrapped_callback_on_a_skipped_step(tmp_pat
     trainer, _ = grpo(tmp_path, callbacks=[watch, wrapped])
     assert trainer.loss_scaler.stats()["skipped_steps"] == 1
     assert controller.steps == [1, 3, 4]
+
+
+def test_a_resumed_run_keeps_counting_applied_steps(tmp_path):
+    """Resumed from a checkpoint after a skipped step, the applied-step count (which schedules the
+    reference sync) continues from the restored scaler's counters: 4 steps with one skipped give 3
+    applied steps, as in the uninterrupted run. Bug caught: the count restarting at 0 on resume, so
+    the reference syncs fall on other steps than an uninterrupted run's."""
+    whole, _ = grpo(tmp_path / "whole", callbacks=[InjectAndWatch(bad=2)])
+    cut, _ = grpo(tmp_path / "cut", callbacks=[InjectAndWatch(bad=2)], save_strategy="steps", save_steps=3)
+    checkpoint = tmp_path / "cut" / "out" / "checkpoint-3"
+    assert checkpoint.is_dir() and whole.applied_steps == cut.applied_steps == 3
+    resumed, _ = grpo(tmp_path / "cut", callbacks=[InjectAndWatch(bad=99)], resume=str(checkpoint))
+    assert resumed.state.global_step == 4 and resumed.applied_steps == 3

@@ -170,6 +170,8 @@ class AppliedStepsOnly(TrainerCallback):
         self.inner, self.trainer = inner, trainer
 
     def __getattr__(self, name: str) -> Any:
+        if name == "inner":  # not set yet (a copy being built): no recursion through the lookup below
+            raise AttributeError(name)
         return getattr(self.inner, name)
 
     def on_step_end(self, args, state, control, **kwargs):
@@ -191,9 +193,14 @@ class _GRPOStepCallback(TrainerCallback):
     def __init__(self, trainer: FP16GRPOTrainer) -> None:
         self.trainer = trainer
         self.applied_steps = 0
+        self._resumed = False
 
     def on_train_begin(self, args, state, control, **kwargs):
         t = self.trainer
+        # a resumed run counts its applied steps from the restored scaler at its first step end (the
+        # Trainer restores the scaler after this event)
+        self._resumed = state.global_step > 0
+        self.applied_steps = 0
         dropout = [n for n, m in t.accelerator.unwrap_model(t.model).named_modules()
                    if isinstance(m, torch.nn.Dropout) and m.p > 0]  # fmt: skip
         if dropout and t._sampler is not None:
@@ -213,7 +220,13 @@ class _GRPOStepCallback(TrainerCallback):
         t = self.trainer
         t._finish_mismatch_step(state.global_step)
         lr = t.lr_scheduler.get_last_lr()[0] if t.lr_scheduler is not None else None
-        if _step_skipped(t):
+        skipped = _step_skipped(t)
+        if self._resumed:  # the steps applied before this one (one read of the counters, once)
+            self._resumed = False
+            stats = t.loss_scaler.stats() if t.loss_scaler is not None else None
+            before = (stats["total_steps"] - stats["skipped_steps"]) if stats else state.global_step
+            self.applied_steps = before - (0 if skipped else 1)
+        if skipped:
             accumulation = t.current_gradient_accumulation_steps
             # TRL's micro-step counter (private: compat.TRL_INSTANCE_INTERNALS): the retry reuses this step's slice
             t._step -= accumulation
