@@ -175,9 +175,8 @@ def main(argv=None) -> int:
     command = ["compare", str(ROOT / "recipes" / "grpo.py"), "--settings", ",".join(SETTINGS),
                "--seeds", *map(str, opts.seeds), "--max_steps", str(opts.max_steps), "--jobs", str(opts.jobs),
                "--no_flushed_probe", "--reuse_finished", "--output_dir", opts.output_dir, "--", *RECIPE_ARGS, *extra]  # fmt: skip
-    shown = "python benchmarks/grpo_compare.py" + (
-        f" --max_steps {opts.max_steps}" if opts.max_steps != 250 else ""
-    )
+    kept = [a for a in own if a not in ("--summarize_only", "--write")]  # the command that made the runs
+    shown = " ".join(["python benchmarks/grpo_compare.py", *kept, *(["--", *extra] if extra else [])])
     if not opts.summarize_only:
         import os
 

@@ -308,3 +308,49 @@ def test_torch_gradscaler_block_runner_rebinds_every_name(tmp_path):
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
         assert out.read_text().split() == [expected] * 3
     assert load("torch_gradscaler_block").main([]) == 2  # no block: says how to get one
+
+
+def test_grpo_compare_reads_runs_and_words_lower_is_better(tmp_path, monkeypatch):
+    """`grpo_compare.summarize` on three seeds of event logs written by hand: the per-run figures
+    come from the right events, and a setting whose mismatch is higher in every seed is "higher
+    (worse)" (lower is better for a mismatch), its equal reward "no measurable difference". Bugs
+    caught: the verdict's direction taken from the metric's name (a mismatch read as accuracy-like),
+    a run that failed counted, figures read from eval logs."""
+    import json
+
+    grpo = load("grpo_compare")
+    monkeypatch.setattr(grpo, "OUT", tmp_path / "results")
+    folder = tmp_path / "cmp"
+    for setting, bump in (("fp32", 0.0), ("dynamic", 1e-4), ("bf16", 1e-3)):
+        for seed in (0, 1, 2):
+            run = folder / "runs" / f"{setting}-seed{seed}"
+            run.mkdir(parents=True)
+            events = [{"event": "run_start"}]
+            for step in range(1, 31):
+                events.append({"event": "log", "step": step, "loss": 0.0, "reward": min(1.0, step / 20)})
+                events.append({"event": "mismatch", "step": step, "mean_abs_dlogp": bump + seed * 1e-6,
+                               "p95_abs_dlogp": 2 * bump, "max_abs_dlogp": 3 * bump + seed * 1e-5,
+                               "outside_band_frac": 0.0, "k3_kl": bump / 10})  # fmt: skip
+            events.append({"event": "log", "step": 30, "eval_reward": 0.5, "eval_loss": 0.0})
+            events.append({"event": "run_end", "skipped_steps": 0, "total_steps": 30})
+            (run / "loss_scale_log.jsonl").write_text("\n".join(map(json.dumps, events)))
+            (run / "run.json").write_text(json.dumps({"returncode": 0}))
+    failed = folder / "runs" / "bf16-seed3"  # a run that did not finish: left out
+    failed.mkdir()
+    (failed / "loss_scale_log.jsonl").write_text(json.dumps({"event": "run_start"}))
+    (failed / "run.json").write_text(json.dumps({"returncode": 1}))
+    result = grpo.summarize(folder, "python benchmarks/grpo_compare.py", "grpo_test")
+    runs = {(r["setting"], r["seed"]): r for r in result["runs"]}
+    assert (
+        len(runs) == 9 and runs[("fp32", 0)]["steps_to_0.9"] == 18 and runs[("fp32", 0)]["eval_reward"] == 0.5
+    )
+    assert runs[("bf16", 1)]["mismatch_max"] == pytest.approx(3e-3 + 1e-5)
+    assert runs[("dynamic", 0)]["reward_last"] == pytest.approx(0.79)  # steps 6..30 of min(1, step / 20)
+    v = result["verdicts"]
+    assert v["mismatch_mean"]["bf16-dynamic"]["word"] == "higher (worse)"
+    assert v["reward_last"]["bf16-fp32"]["word"] == "no measurable difference"
+    assert (
+        (tmp_path / "results" / "grpo_test.md")
+        .read_text()
+        .startswith("Command: `python benchmarks/grpo_compare.py`")
+    )
