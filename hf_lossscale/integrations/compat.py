@@ -38,6 +38,9 @@ INTERNALS = [
     # a sparse gradient's stored values: the overflow check and the observers read them, as torch's
     # GradScaler does (`Tensor.values()` refuses an uncoalesced tensor)
     ("torch", "Tensor._values"),
+    # the attention kernel a model runs (no public getter): KVCacheSampler restores it after sampling
+    # with a kernel of its own (`set_attn_implementation`, public, sets it)
+    ("transformers.configuration_utils", "PreTrainedConfig._attn_implementation"),
     # whether this CPU computes BF16 natively (the demo and compare ask before running BF16)
     ("torch.cpu", "_is_avx512_bf16_supported"),
     ("torch.cpu", "_is_amx_tile_supported"),

@@ -255,7 +255,7 @@ class FP16GRPOTrainer(LossScaleMixin, GRPOTrainer):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         rollout = kwargs.get("rollout_func")
-        #: the sampler's precision when known (a `KVCacheSampler`), else None
+        #: the sampler when it is ours (a `KVCacheSampler`: its precision is known), else None
         self._sampler = rollout if isinstance(rollout, KVCacheSampler) else None
         self._mismatch_deltas: list[torch.Tensor] = []
         self._mismatch_pending: list[tuple[int, torch.Tensor]] = []
