@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from tiny_models import minilm_path
 from transformers import TrainerCallback
 
 pytest.importorskip("trl")
@@ -241,3 +242,36 @@ def test_a_resumed_run_keeps_counting_applied_steps(tmp_path):
     assert checkpoint.is_dir() and whole.applied_steps == cut.applied_steps == 3
     resumed, _ = grpo(tmp_path / "cut", callbacks=[InjectAndWatch(bad=99)], resume=str(checkpoint))
     assert resumed.state.global_step == 4 and resumed.applied_steps == 3
+
+
+def test_prompts_of_several_lengths_are_sampled_unpadded(tmp_path):
+    """A batch whose prompts have two lengths in tokens, on a rotary decoder (a tiny Llama): the
+    sampler generates each length without padding, the completions come back in the prompts' order,
+    and against TRL's left-padded training forward (rotary positions: a shift changes nothing) the
+    FP32 mismatch stays at rounding; a warning names what padding does to absolute positions. Bugs
+    caught: the batch refused, completions handed back in another order (|Δ| ~ 1 then), pad tokens
+    fed to the sampler."""
+    from datasets import Dataset
+    from test_trl import tiny_decoder
+    from transformers import AutoTokenizer
+
+    from hf_lossscale.integrations.grpo import FP16GRPOTrainer, KVCacheSampler
+    from hf_lossscale.integrations.trl_trainers import FP16GRPOConfig
+
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    tokenizer.bos_token, tokenizer.eos_token = tokenizer.cls_token, tokenizer.sep_token
+    prompts = ["the cat sat on the mat", "a dog ran far away into the green park today"] * 8
+    args = FP16GRPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, max_steps=2, per_device_train_batch_size=8,
+                          num_generations=4, max_completion_length=6, logging_steps=1, report_to=[],
+                          save_strategy="no", disable_tqdm=True, beta=0.0)  # fmt: skip
+    trainer = FP16GRPOTrainer(model=tiny_decoder(tokenizer), args=args, processing_class=tokenizer,
+                              train_dataset=Dataset.from_dict({"prompt": prompts}),
+                              reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
+                              rollout_func=KVCacheSampler("fp32"))  # fmt: skip
+    with pytest.warns(UserWarning, match="Prompts of 2 lengths"):
+        trainer.train()
+    events = [
+        json.loads(line) for line in (tmp_path / "out" / "loss_scale_log.jsonl").read_text().splitlines()
+    ]
+    rows = [e for e in events if e["event"] == "mismatch"]
+    assert len(rows) == 2 and all(e["max_abs_dlogp"] < 1e-4 for e in rows), rows

@@ -68,8 +68,8 @@ class KVCacheSampler:
     Unlike a vLLM sampler, it runs the same module and weights as the trainer (no weight sync, no
     separate kernels or batching): the gap it measures is the precision and the inference path
     (incremental decoding with a cache against one full forward), not a second engine. Prompts of
-    one batch should have the same length in tokens (the recipe's do): left padding would give the
-    sampler position ids the training forward does not use.
+    different lengths are generated one length at a time, never padded (a warning says what TRL's
+    padded training forward does to absolute position embeddings).
     """
 
     def __init__(self, precision: str = "auto", attn_implementation: str | None = None) -> None:
@@ -79,6 +79,7 @@ class KVCacheSampler:
         #: an attention kernel of the sampler's own (e.g. "eager" against the trainer's "sdpa"), as a
         #: second inference engine has: the kernel differences that rounding then amplifies
         self.attn_implementation = attn_implementation
+        self._warned_lengths = False
 
     def resolved(self, trainer: Any) -> str:
         return trainer_precision(trainer) if self.precision == "auto" else self.precision
@@ -101,40 +102,59 @@ class KVCacheSampler:
             p if isinstance(p, str) else tokenizer.apply_chat_template(p, tokenize=False) for p in prompts
         ]
         encoded = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
-        if len({len(ids) for ids in encoded}) != 1:
-            raise ValueError(
-                "KVCacheSampler needs the prompts of a batch to have one length in tokens (left padding would "
-                f"give the sampler other position ids than the training forward); got lengths {sorted({len(i) for i in encoded})}."
+        lengths = sorted({len(ids) for ids in encoded})
+        if len(lengths) > 1 and not self._warned_lengths:
+            self._warned_lengths = True
+            warnings.warn(
+                f"Prompts of {len(lengths)} lengths in one batch: the sampler generates each length without "
+                "padding, while TRL's training forward left-pads them, which shifts absolute position "
+                "embeddings (the GPT-2 family: part of mismatch/ is then that) but not rotary ones (Llama, Qwen).",
+                stacklevel=2,
             )
         model = trainer.accelerator.unwrap_model(trainer.model)
-        device = trainer.accelerator.device
-        input_ids = torch.tensor(encoded, device=device)
-        eos = tokenizer.eos_token_id
         was_training = model.training
         model.eval()
         own_attn = model.config._attn_implementation
         if self.attn_implementation is not None:
             model.set_attn_implementation(self.attn_implementation)
+        completion_ids: list[list[int]] = [[] for _ in encoded]
+        logprobs: list[list[float]] = [[] for _ in encoded]
         try:
             with plain_forward(model), self.context(trainer):
-                out = model.generate(
-                    input_ids=input_ids,
-                    attention_mask=torch.ones_like(input_ids),
-                    do_sample=True,
-                    temperature=trainer.temperature,
-                    top_k=0,
-                    top_p=1.0,
-                    max_new_tokens=trainer.max_completion_length,
-                    use_cache=True,
-                    output_logits=True,
-                    return_dict_in_generate=True,
-                    pad_token_id=tokenizer.pad_token_id,
-                    eos_token_id=eos,
-                )
+                for length in lengths:  # one generate per prompt length: no padding, positions as trained
+                    rows = [i for i, ids in enumerate(encoded) if len(ids) == length]
+                    ids, lps = self._generate(model, trainer, [encoded[i] for i in rows])
+                    for i, c, lp in zip(rows, ids, lps):
+                        completion_ids[i], logprobs[i] = c, lp
         finally:
             model.train(was_training)
             if self.attn_implementation is not None:
                 model.set_attn_implementation(own_attn)
+        return {"prompt_ids": encoded, "completion_ids": completion_ids, "logprobs": logprobs}
+
+    @staticmethod
+    def _generate(
+        model: Any, trainer: Any, prompts: list[list[int]]
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """Completions of equal-length `prompts` and their tokens' log-probabilities (temperature-scaled,
+        as TRL scores them), each cut after its first end-of-sequence token."""
+        tokenizer = trainer.processing_class
+        input_ids = torch.tensor(prompts, device=trainer.accelerator.device)
+        eos = tokenizer.eos_token_id
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            do_sample=True,
+            temperature=trainer.temperature,
+            top_k=0,
+            top_p=1.0,
+            max_new_tokens=trainer.max_completion_length,
+            use_cache=True,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=eos,
+        )
         completions = out.sequences[:, input_ids.shape[1] :]
         logits = torch.stack(out.logits, dim=1).float() / trainer.temperature  # (batch, new tokens, vocab)
         logps = torch.log_softmax(logits, dim=-1).gather(-1, completions.unsqueeze(-1)).squeeze(-1)
@@ -143,7 +163,7 @@ class KVCacheSampler:
             end = ids.index(eos) + 1 if eos is not None and eos in ids else len(ids)
             completion_ids.append(ids[:end])
             logprobs.append(lp[:end])
-        return {"prompt_ids": encoded, "completion_ids": completion_ids, "logprobs": logprobs}
+        return completion_ids, logprobs
 
 
 def mismatch_stats(delta: torch.Tensor) -> torch.Tensor:
