@@ -12,7 +12,8 @@
 # tool): cuda_tests.txt, gpu_check.json, step_overhead.json, demo_summary.md, demo_metrics.json,
 # demo_long_summary.md, demo_long_metrics.json, fp32_module_cost.json, op_count.json. The time
 # boxes add up to 600 s at most (GPU_CHECK_STEPS picks steps for a rerun); measured runs are shorter.
-# Steps 8 and 9 run only when asked for (GPU_CHECK_STEPS="1 8": 80 + 430 s; "9": 215 s).
+# Steps 8 and 9 run only when asked for (GPU_CHECK_STEPS="1 8": 80 + 430 s; "9": 215 s). Step 8 needs
+# the data (`gpu_prepare.py --data`), step 9 TRL (`gpu_prepare.py`, the default): one call carries one.
 #   1. the CUDA tests (pytest -m cuda): among them no host sync under
 #      torch.cuda.set_sync_debug_mode("error") on the fused path (tests/test_scaler.py) and through
 #      clip_grad_norm_ over runs with skipped steps (tests/test_clip.py); a step (scale, backward, fused

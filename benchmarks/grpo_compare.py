@@ -168,14 +168,11 @@ def main(argv=None) -> int:
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--summarize_only", action="store_true")
     parser.add_argument("--results_name", default="grpo_cpu", help="Write results/grpo/<NAME>.json and .md.")
-    parser.add_argument(
-        "--write", action="store_true", help="Also put the table into docs/rl.md (its grpo markers)."
-    )
     opts = parser.parse_args(own)
     command = ["compare", str(ROOT / "recipes" / "grpo.py"), "--settings", ",".join(SETTINGS),
                "--seeds", *map(str, opts.seeds), "--max_steps", str(opts.max_steps), "--jobs", str(opts.jobs),
                "--no_flushed_probe", "--reuse_finished", "--output_dir", opts.output_dir, "--", *RECIPE_ARGS, *extra]  # fmt: skip
-    kept = [a for a in own if a not in ("--summarize_only", "--write")]  # the command that made the runs
+    kept = [a for a in own if a != "--summarize_only"]  # the command that made the runs
     shown = " ".join(["python benchmarks/grpo_compare.py", *kept, *(["--", *extra] if extra else [])])
     if not opts.summarize_only:
         import os
@@ -189,12 +186,6 @@ def main(argv=None) -> int:
     result = summarize(Path(opts.output_dir), shown.strip(), opts.results_name)
     print(render(result))
     print(f"Wrote {OUT / (opts.results_name + '.json')} and {OUT / (opts.results_name + '.md')}")
-    if opts.write:
-        sys.path.insert(0, str(ROOT / "benchmarks" / "reproduce"))
-        from table import write_readme  # beside the reproduced benchmarks
-
-        write_readme(ROOT / "docs" / "rl.md", render(result), "<!-- grpo:start -->", "<!-- grpo:end -->")
-        print("Updated docs/rl.md")
     return 0
 
 

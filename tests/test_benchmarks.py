@@ -354,3 +354,16 @@ def test_grpo_compare_reads_runs_and_words_lower_is_better(tmp_path, monkeypatch
         .read_text()
         .startswith("Command: `python benchmarks/grpo_compare.py`")
     )
+
+
+def test_gpu_prepare_carries_the_data_instead_of_trl(tmp_path):
+    """`--data` (gpu_check's step 8) leaves TRL out and removes a TRL wheel an earlier run left, so
+    the manifest asks for no TRL wheel; without it TRL is asked for. Bug caught: both carried (over
+    the 64 MiB limit), or a stale TRL wheel counted into the size."""
+    prep = load("gpu_prepare")
+    (tmp_path / "trl-1.16.0-py3-none-any.whl").write_bytes(b"x")
+    prep.main(["--out", str(tmp_path), "--no-download", "--data"])
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert "trl" not in manifest["packages"] and not list(tmp_path.glob("trl-*.whl"))
+    prep.main(["--out", str(tmp_path), "--no-download"])
+    assert "trl" in json.loads((tmp_path / "manifest.json").read_text())["packages"]

@@ -306,12 +306,10 @@ class FP16GRPOTrainer(LossScaleMixin, GRPOTrainer):
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         captured: list[torch.Tensor] = []
 
-        def keep_scores(module, args, output):  # the training forward's own per-token scores
-            if not captured:
-                scores = getattr(output, "log_probs", None)  # TRL's fused LM head: log p of each label
-                scores = getattr(output, "logits", None) if scores is None else scores
-                if scores is not None:
-                    captured.append(scores.detach())
+        def keep_scores(module, args, output):  # TRL's fused LM head: log p of each label, as trained on
+            scores = getattr(output, "log_probs", None)
+            if scores is not None and not captured:
+                captured.append(scores.detach())
 
         handle = self.accelerator.unwrap_model(model).register_forward_hook(keep_scores)
         try:
@@ -320,15 +318,7 @@ class FP16GRPOTrainer(LossScaleMixin, GRPOTrainer):
             handle.remove()
         if captured:
             completion_ids, mask = inputs["completion_ids"], inputs["completion_mask"].bool()
-            k, scores = completion_ids.shape[1], captured[0]
-            if scores.dim() == 2:  # log-probabilities from TRL's fused head (temperature applied)
-                trainer_logps = scores[:, -k:].float()
-            else:  # logits: score the tokens as TRL does without its fused head
-                logits = scores[:, :-1, :][:, -k:, :] / self.temperature
-                trainer_logps = torch.log_softmax(logits.float(), dim=-1).gather(
-                    -1, completion_ids.unsqueeze(-1)
-                )
-                trainer_logps = trainer_logps.squeeze(-1)
+            trainer_logps = captured[0][:, -completion_ids.shape[1] :].float()  # temperature applied by TRL
             delta = trainer_logps - sampled
             self._mismatch_deltas.append(delta[mask & ~sampled.isnan()])
         return loss
