@@ -90,15 +90,10 @@ def paired(runs: list[dict], setting: str, key: str, lower_better: bool, baselin
 
     records = [{"setting": r["setting"], "seed": r["seed"], "final_eval": {key: r[key]}} for r in runs
                if r[key] is not None]  # fmt: skip
-    v = paired_verdict(records, setting, key, baseline=baseline)
-    interval = v.get("interval")
-    if v.get("n", 0) < 3 or interval is None:
-        word = "too few seeds"
-    elif interval[0] <= 0 <= interval[1]:
-        word = "no measurable difference"
-    else:
-        word = "lower" if interval[1] < 0 else "higher"
-        word += " (better)" if (word == "lower") == lower_better else " (worse)"
+    v = paired_verdict(records, setting, key, baseline=baseline, higher_better=not lower_better)
+    interval, word = v.get("interval"), v["verdict"]
+    if word in ("worse", "better"):  # which way it went, then what that means
+        word = f"{'higher' if interval[0] > 0 else 'lower'} ({word})"
     return {"gaps": v.get("gaps", []), "mean": v.get("mean"), "interval": interval, "word": word}
 
 

@@ -101,7 +101,11 @@ def _by_seed(runs: Iterable[Any], setting: str) -> dict[int, Any]:
 
 
 def paired_verdict(
-    runs: list[Any], setting: str, metric: str = "eval_loss", baseline: str = "fp32"
+    runs: list[Any],
+    setting: str,
+    metric: str = "eval_loss",
+    baseline: str = "fp32",
+    higher_better: bool | None = None,
 ) -> dict[str, Any]:
     """The paired comparison of `setting` with FP32 (or another `baseline` setting, e.g. BF16 against
     FP16 + dynamic scaling) on `metric` (see `RULES["paired"]`).
@@ -109,7 +113,8 @@ def paired_verdict(
     Returns a dict with `gaps` (per seed, setting - FP32, in seed order), `seeds`, `n`, `mean`,
     `sd`, `interval` (95% t-interval, n >= 2), `sign` ("+"/"-"/"mixed"), `verdict` ("worse",
     "better", "no measurable difference", "too few seeds", "no baseline" or "diverged"), and the
-    unpaired reference `unpaired_gap` / `seed_spread`.
+    unpaired reference `unpaired_gap` / `seed_spread`. `higher_better` says which side is worse
+    (default: from the metric's name, `higher_is_better`).
     """
     fp32, other = _by_seed(runs, baseline), _by_seed(runs, setting)
     out: dict[str, Any] = {"setting": setting, "metric": metric, "gaps": [], "seeds": [], "n": 0}
@@ -145,7 +150,8 @@ def paired_verdict(
         out["verdict"] = "too few seeds"
         return out
     low, high = out["interval"]
-    worse_side = (lambda lo, hi: hi < 0) if higher_is_better(metric) else (lambda lo, hi: lo > 0)
+    higher_better = higher_is_better(metric) if higher_better is None else higher_better
+    worse_side = (lambda lo, hi: hi < 0) if higher_better else (lambda lo, hi: lo > 0)
     if low <= 0 <= high:
         out["verdict"] = "no measurable difference"
     else:
