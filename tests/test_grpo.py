@@ -275,3 +275,125 @@ def test_prompts_of_several_lengths_are_sampled_unpadded(tmp_path):
     ]
     rows = [e for e in events if e["event"] == "mismatch"]
     assert len(rows) == 2 and all(e["max_abs_dlogp"] < 1e-4 for e in rows), rows
+
+
+def sampler_trainer(tmp_path, model, tokenizer, **kw):
+    """A `FP16GRPOTrainer` built (not trained) around `model`, for calling its sampler directly."""
+    from datasets import Dataset
+
+    from hf_lossscale.integrations.grpo import FP16GRPOTrainer, KVCacheSampler
+    from hf_lossscale.integrations.trl_trainers import FP16GRPOConfig
+
+    settings = dict(output_dir=str(tmp_path / "out"), use_cpu=True, max_steps=1, per_device_train_batch_size=8,
+                    num_generations=4, max_completion_length=8, report_to=[], save_strategy="no",
+                    disable_tqdm=True, beta=0.0)  # fmt: skip
+    return FP16GRPOTrainer(model=model, args=FP16GRPOConfig(**{**settings, **kw}), processing_class=tokenizer,
+                           train_dataset=Dataset.from_dict({"prompt": ["a b"] * 8}),
+                           reward_funcs=lambda completions, **_: [0.0] * len(completions),
+                           rollout_func=KVCacheSampler("fp32"))  # fmt: skip
+
+
+def tiny_policy(tmp_path, init=1.0):
+    """A 1-layer, 32-wide GPT-2 with MiniLM's vocabulary, its weights drawn with std `init` (1.0: a
+    peaked policy, so that a repetition penalty moves its probabilities by ~0.3 nats, not ~1e-5), and
+    eight 8-token prompts."""
+    from transformers import AutoTokenizer, GPT2Config, GPT2LMHeadModel
+
+    from hf_lossscale.recipes.grpo import corpus_text, prompts_from
+
+    tokenizer = AutoTokenizer.from_pretrained(minilm_path())
+    tokenizer.eos_token, tokenizer.bos_token = tokenizer.sep_token, tokenizer.cls_token
+    torch.manual_seed(0)
+    config = GPT2Config(vocab_size=len(tokenizer), n_layer=1, n_embd=32, n_head=2, n_positions=64,
+                        initializer_range=init, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                        bos_token_id=tokenizer.cls_token_id, eos_token_id=tokenizer.sep_token_id,
+                        pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    model = GPT2LMHeadModel(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer, prompts_from(corpus_text(None)[:5000], tokenizer, 8, 8)
+
+
+class RecordDraws:
+    """Wraps `torch.multinomial` to keep each draw's probabilities and tokens: the distribution that
+    `generate` actually sampled from, whatever processors built it."""
+
+    def __init__(self, monkeypatch):
+        self.draws, real = [], torch.multinomial
+
+        def draw(probs, *args, **kwargs):
+            out = real(probs, *args, **kwargs)
+            self.draws.append((probs.detach().clone(), out.detach().clone()))
+            return out
+
+        monkeypatch.setattr(torch, "multinomial", draw)
+
+    def logps(self):
+        """(batch, steps): log p of each drawn token under the distribution it was drawn from."""
+        return torch.stack([p.gather(-1, t.view(-1, 1)).squeeze(-1).log() for p, t in self.draws], dim=1)
+
+
+def test_sampler_reports_the_log_probabilities_of_the_distribution_it_sampled(tmp_path, monkeypatch):
+    """A model whose stored `generation_config` carries `repetition_penalty=1.3` (as Qwen2.5-Instruct
+    ships 1.05): the sampler neutralises it as TRL's complete generation config does, so each reported
+    log p equals the log of the probability the draw used, and equals the training forward's (FP32
+    both, rounding only). With the penalty set in TRL's own config (TRL samples with it), the draws use
+    it and the reported log p follows them, with a warning that the trainer scores the unprocessed
+    distribution. Bugs caught: log p taken from the raw logits while `generate` applies the stored
+    penalty (off by ~0.5 on repeated tokens), or TRL's own processors dropped."""
+    model, tokenizer, prompts = tiny_policy(tmp_path)
+    model.generation_config.repetition_penalty = 1.3
+    trainer = sampler_trainer(tmp_path, model, tokenizer)
+    record = RecordDraws(monkeypatch)
+    torch.manual_seed(0)
+    out = trainer.rollout_func(prompts, trainer)
+    drawn = record.logps()
+    assert model.generation_config.repetition_penalty == 1.3  # the model's own config is left as it was
+    with torch.no_grad():  # the trainer's view: one full forward, log-softmax of logits / temperature
+        ids = torch.tensor([p + c for p, c in zip(out["prompt_ids"], out["completion_ids"]) if len(c) > 1])
+    checked = 0
+    for row, (p, c, lp) in enumerate(zip(out["prompt_ids"], out["completion_ids"], out["logprobs"])):
+        assert len(c) == len(lp) and torch.allclose(torch.tensor(lp), drawn[row, : len(c)], atol=1e-5), row
+        with torch.no_grad():
+            logits = model(torch.tensor([p + c])).logits[0, len(p) - 1 : -1].float() / trainer.temperature
+        forward = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c).view(-1, 1)).squeeze(-1)
+        assert torch.allclose(torch.tensor(lp), forward, atol=1e-4), (row, lp, forward.tolist())
+        checked += len(c)
+    assert checked >= 8 and ids.numel() > 0
+
+    processed = sampler_trainer(tmp_path / "trl", model, tokenizer, repetition_penalty=1.3)
+    record.draws.clear()
+    torch.manual_seed(0)
+    with pytest.warns(UserWarning, match="repetition_penalty"):
+        out = processed.rollout_func(prompts, processed)
+    drawn = record.logps()
+    gaps = []
+    for row, (p, c, lp) in enumerate(zip(out["prompt_ids"], out["completion_ids"], out["logprobs"])):
+        assert torch.allclose(torch.tensor(lp), drawn[row, : len(c)], atol=1e-5), row
+        with torch.no_grad():
+            logits = model(torch.tensor([p + c])).logits[0, len(p) - 1 : -1].float()
+        raw = torch.log_softmax(logits, -1).gather(-1, torch.tensor(c).view(-1, 1)).squeeze(-1)
+        gaps.append((torch.tensor(lp) - raw).abs().max().item())
+    assert max(gaps) > 0.05  # the penalty was applied, and reported
+
+
+def test_sampler_stops_at_every_eos_id_trl_uses(tmp_path):
+    """The model's `generation_config.eos_token_id` is a list (Llama 3: `<|end_of_text|>` and
+    `<|eot_id|>`), so TRL's `eos_token_ids` holds the tokenizer's id and another: a completion ends at
+    the first of either, and its log-probabilities end with it. The second id is a token the policy
+    draws first for some prompt with this seed, so it must cut that completion to one token. Bug
+    caught: only `tokenizer.eos_token_id` stopping generation (the completion runs on past the other)."""
+    model, tokenizer, prompts = tiny_policy(tmp_path)
+    trainer = sampler_trainer(tmp_path, model, tokenizer)
+    torch.manual_seed(0)
+    first = trainer.rollout_func(prompts, trainer)
+    other = next(c[0] for c in first["completion_ids"] if c[0] != tokenizer.eos_token_id and len(c) > 1)
+    model.generation_config.eos_token_id = [tokenizer.eos_token_id, other]
+    trainer = sampler_trainer(tmp_path / "list", model, tokenizer)
+    assert set(trainer.eos_token_ids) == {tokenizer.eos_token_id, other}
+    torch.manual_seed(0)
+    out = trainer.rollout_func(prompts, trainer)
+    stops = set(trainer.eos_token_ids)
+    for c, lp in zip(out["completion_ids"], out["logprobs"]):
+        assert len(c) == len(lp) and not stops & set(c[:-1]), c  # nothing after the first stop id
+    cut = [c for c, f in zip(out["completion_ids"], first["completion_ids"]) if f[0] == other]
+    assert cut and all(c == [other] for c in cut), cut

@@ -80,6 +80,7 @@ class KVCacheSampler:
         #: second inference engine has: the kernel differences that rounding then amplifies
         self.attn_implementation = attn_implementation
         self._warned_lengths = False
+        self._warned_processors = False
 
     def resolved(self, trainer: Any) -> str:
         return trainer_precision(trainer) if self.precision == "auto" else self.precision
@@ -133,37 +134,87 @@ class KVCacheSampler:
         return {"prompt_ids": encoded, "completion_ids": completion_ids, "logprobs": logprobs}
 
     @staticmethod
-    def _generate(
-        model: Any, trainer: Any, prompts: list[list[int]]
-    ) -> tuple[list[list[int]], list[list[float]]]:
-        """Completions of equal-length `prompts` and their tokens' log-probabilities (temperature-scaled,
-        as TRL scores them), each cut after its first end-of-sequence token."""
+    def generation_kwargs(trainer: Any) -> dict[str, Any]:
+        """The complete generation config TRL samples with (`GRPOTrainer.generation_kwargs`): every
+        processor TRL sets is given explicitly, so that none stored in the model's `generation_config`
+        (Qwen2.5-Instruct ships `repetition_penalty=1.05`) applies, and generation stops at every id in
+        TRL's `eos_token_ids` (the tokenizer's and the model's `generation_config.eos_token_id` list)."""
         tokenizer = trainer.processing_class
+        args = trainer.args
+        return {
+            "max_new_tokens": trainer.max_completion_length,
+            "do_sample": True,
+            "pad_token_id": tokenizer.pad_token_id,
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": eos_token_ids(trainer),
+            "temperature": trainer.temperature,
+            "top_p": getattr(trainer, "top_p", args.top_p),
+            "top_k": getattr(trainer, "top_k", args.top_k),
+            "min_p": getattr(trainer, "min_p", args.min_p),
+            "repetition_penalty": getattr(trainer, "repetition_penalty", args.repetition_penalty),
+            "use_cache": True,
+            **(args.generation_kwargs or {}),
+        }
+
+    def _generate(
+        self, model: Any, trainer: Any, prompts: list[list[int]]
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """Completions of equal-length `prompts` and the log-probabilities of their tokens under the
+        distribution they were drawn from (the processed scores `generate` samples from: the
+        temperature, and any processor TRL's config sets), each cut after its first end-of-sequence id."""
+        from transformers import GenerationConfig
+
         input_ids = torch.tensor(prompts, device=trainer.accelerator.device)
-        eos = tokenizer.eos_token_id
-        out = model.generate(
-            input_ids=input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            do_sample=True,
-            temperature=trainer.temperature,
-            top_k=0,
-            top_p=1.0,
-            max_new_tokens=trainer.max_completion_length,
-            use_cache=True,
-            output_logits=True,
-            return_dict_in_generate=True,
-            pad_token_id=tokenizer.pad_token_id,
-            eos_token_id=eos,
-        )
+        kwargs = self.generation_kwargs(trainer)
+        self._warn_if_processed(kwargs)
+        config = GenerationConfig(**kwargs, output_scores=True, return_dict_in_generate=True)
+        stored = model.generation_config
+        # the model's own generation_config fills whatever `generate` is not given (transformers merges it
+        # under the passed config): replaced for the call, so that none of its processors applies
+        model.generation_config = GenerationConfig(**kwargs)
+        try:
+            out = model.generate(
+                input_ids=input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config
+            )
+        finally:
+            model.generation_config = stored
         completions = out.sequences[:, input_ids.shape[1] :]
-        logits = torch.stack(out.logits, dim=1).float() / trainer.temperature  # (batch, new tokens, vocab)
-        logps = torch.log_softmax(logits, dim=-1).gather(-1, completions.unsqueeze(-1)).squeeze(-1)
+        # the scores softmax-ed and sampled from (after every logits processor and warper)
+        scores = torch.stack(out.scores, dim=1).float()  # (batch, new tokens, vocab)
+        logps = torch.log_softmax(scores, dim=-1).gather(-1, completions.unsqueeze(-1)).squeeze(-1)
+        stop = set(kwargs["eos_token_id"])
         completion_ids, logprobs = [], []
         for ids, lp in zip(completions.tolist(), logps.tolist()):
-            end = ids.index(eos) + 1 if eos is not None and eos in ids else len(ids)
+            end = next((i + 1 for i, t in enumerate(ids) if t in stop), len(ids))
             completion_ids.append(ids[:end])
             logprobs.append(lp[:end])
         return completion_ids, logprobs
+
+    def _warn_if_processed(self, kwargs: dict[str, Any]) -> None:
+        neutral = {"top_p": 1.0, "top_k": 0, "min_p": None, "repetition_penalty": 1.0}
+        changed = {k: kwargs.get(k) for k, v in neutral.items() if kwargs.get(k) not in (v, None)}
+        if changed and not self._warned_processors:
+            self._warned_processors = True
+            warnings.warn(
+                f"The sampler draws from the distribution TRL's config processes ({changed}) and reports its "
+                "log-probabilities; the training forward scores the unprocessed one (temperature only), so "
+                "mismatch/ includes those processors as well as precision.",
+                stacklevel=3,
+            )
+
+
+def eos_token_ids(trainer: Any) -> list[int]:
+    """The ids that end a completion, as TRL reads them (`GRPOTrainer.eos_token_ids`): the tokenizer's
+    end-of-sequence id and every id in the model's `generation_config.eos_token_id` (Llama 3's
+    `<|eot_id|>` family)."""
+    ids = getattr(trainer, "eos_token_ids", None)
+    if ids is None:
+        model = trainer.accelerator.unwrap_model(trainer.model)
+        stored = model.generation_config.eos_token_id
+        ids = [] if stored is None else [stored] if isinstance(stored, int) else list(stored)
+        eos = trainer.processing_class.eos_token_id
+        ids = ids if eos is None or eos in ids else [eos, *ids]
+    return [int(i) for i in ids]
 
 
 def mismatch_stats(delta: torch.Tensor) -> torch.Tensor:
