@@ -139,7 +139,10 @@ def test_mismatch_is_measured_against_the_training_forward(tmp_path):
         "sampler_attn_implementation": None,
     }
     logs = [e for e in other.state.log_history if "loss" in e]
-    assert all("mismatch/p95_abs_dlogp" in e and "mismatch/k3_kl" in e for e in logs)
+    names = ["mismatch/p95_abs_dlogp", "mismatch/k3_kl", "mismatch/chi2_token", "mismatch/chi2_seq",
+             "mismatch/log_ppl_diff", "mismatch/pearson_probs"]  # fmt: skip
+    assert all(all(n in e for n in names) for e in logs)
+    assert "mismatch/k3_kl_drift_per_100_steps" in logs[-1]
 
 
 def test_fp16_grpo_measures_a_smaller_mismatch_than_bf16(tmp_path):
@@ -161,15 +164,78 @@ def test_mismatch_stats():
     """Known deltas: the band is on the probability ratio exp(Δ) (0.9 and 1.1 are not symmetric in
     log space) and k3 is exp(Δ) - 1 - Δ. Bugs caught: the band applied to |Δ| (log 1.1 = 0.0953 and
     -log 0.9 = 0.1054), k3 with the wrong sign convention (negative), p95 taken over signed Δ."""
-    from hf_lossscale.integrations.grpo import mismatch_stats
+    from hf_lossscale.integrations.grpo import MISMATCH_KEYS, mismatch_stats
 
     delta = torch.tensor([0.0, 0.1, -0.1, 0.2, -0.5])
-    mean, p95, mx, outside, k3 = mismatch_stats(delta).tolist()
-    assert mean == pytest.approx(0.18) and mx == pytest.approx(0.5)
-    assert p95 == pytest.approx(torch.quantile(delta.abs(), 0.95).item())
-    assert outside == pytest.approx(3 / 5)  # +0.1 (ratio 1.105), 0.2 and -0.5; not -0.1 (0.905)
-    assert k3 == pytest.approx(sum(math.exp(d) - 1 - d for d in delta.tolist()) / 5) and k3 > 0
-    assert all(math.isnan(v) for v in mismatch_stats(torch.zeros(0)).tolist())
+    sampler = torch.full_like(delta, -1.0)
+    stats = dict(zip(MISMATCH_KEYS, mismatch_stats(sampler + delta, sampler).tolist()))
+    assert stats["mean_abs_dlogp"] == pytest.approx(0.18) and stats["max_abs_dlogp"] == pytest.approx(0.5)
+    assert stats["p95_abs_dlogp"] == pytest.approx(torch.quantile(delta.abs(), 0.95).item())
+    assert stats["outside_band_frac"] == pytest.approx(
+        3 / 5
+    )  # +0.1 (ratio 1.105), 0.2 and -0.5; not -0.1 (0.905)
+    k3 = sum(math.exp(d) - 1 - d for d in delta.tolist()) / 5
+    assert stats["k3_kl"] == pytest.approx(k3) and k3 > 0
+    assert all(math.isnan(v) for v in mismatch_stats(torch.zeros(0), torch.zeros(0)).tolist())
+
+
+def test_mismatch_figures_rl_users_compare_against_a_hand_computation():
+    """Two sequences, probabilities chosen so every figure is a fraction: trainer (0.5, 0.2 | 0.3),
+    sampler (0.25, 0.4 | 0.6), a padded third slot masked out and a NaN sampler slot left out. Token
+    ratios r = p_t / p_s are 2, 1/2, 1/2; sequence ratios R are 1 and 1/2. By hand:
+    k3 = mean(r - 1 - log r) = [(1 - ln 2) + 2 (ln 2 - 1/2)] / 3 = ln 2 / 3; kl = mean(-log r) = ln 2 / 3;
+    chi2_token = (4 + 1/4 + 1/4) / 3 - 1 = 1/2; chi2_seq = (1 + 1/4) / 2 - 1 = -3/8;
+    log PPL_t - log PPL_s per sequence = -mean log r = 0 and ln 2: mean ln 2 / 2, max ln 2, min 0,
+    |.| mean ln 2 / 2, PPL ratio mean (1 + 2) / 2 = 3/2; Pearson of (0.25, 0.4, 0.6) and (0.5, 0.2,
+    0.3) = -57 / sqrt(9324) (centred sums: cov -57/1800, variances 222/3600 and 42/900).
+    Bugs caught: Δ taken the other way (kl, log_ppl_diff flip sign), chi2 per token computed per
+    sequence or without the - 1, R the mean rather than the product of ratios, padding or NaN tokens
+    counted, the log PPL difference summed rather than averaged over a sequence's tokens."""
+    from hf_lossscale.integrations.grpo import MISMATCH_KEYS, mismatch_stats
+
+    log = math.log
+    trainer = torch.tensor([[log(0.5), log(0.2), log(0.9)], [log(0.3), log(0.7), -5.0]])
+    sampler = torch.tensor([[log(0.25), log(0.4), log(0.1)], [log(0.6), float("nan"), -1.0]])
+    mask = torch.tensor([[True, True, False], [True, True, False]])
+    got = dict(zip(MISMATCH_KEYS, mismatch_stats(trainer, sampler, mask).tolist()))
+    ln2 = math.log(2)
+    expected = {
+        "mean_abs_dlogp": ln2, "max_abs_dlogp": ln2, "outside_band_frac": 1.0,
+        "k3_kl": ln2 / 3, "kl": ln2 / 3, "chi2_token": 0.5, "chi2_seq": -3 / 8,
+        "log_ppl_diff": ln2 / 2, "log_ppl_diff_max": ln2, "log_ppl_diff_min": 0.0,
+        "log_ppl_abs_diff": ln2 / 2, "ppl_ratio": 1.5, "pearson_probs": -57 / math.sqrt(9324),
+    }  # fmt: skip
+    for key, value in expected.items():
+        assert got[key] == pytest.approx(value, abs=1e-6), key
+
+
+def test_mismatch_drift_is_a_slope_per_100_steps_and_warns_only_on_growth():
+    """k3 KL 1, 2, 3, 4 at steps 0, 10, 20, 30 rises 0.1 a step: 10 per 100 steps, fitted 1 -> 4, growing
+    (4x). A flat noisy series (0.9 / 1.1 alternating) and a series that falls are not growing, nor is a
+    growing one before `min_steps`. Bugs caught: the slope per step (0.1) or per log, growth called on
+    noise or on a falling mismatch, a verdict from too few steps."""
+    from hf_lossscale.integrations.grpo import MismatchDrift
+
+    drift = MismatchDrift(min_steps=4)
+    for step, value in [(0, 1.0), (10, 2.0), (20, 3.0), (30, 4.0)]:
+        drift.update(step, value)
+    got = drift.summary()
+    assert got["slope_per_100_steps"] == pytest.approx(10.0) and got["growing"]
+    assert got["fitted_start"] == pytest.approx(1.0) and got["fitted_end"] == pytest.approx(4.0)
+    early = MismatchDrift(min_steps=5)
+    for step, value in [(0, 1.0), (10, 2.0), (20, 3.0), (30, 4.0)]:
+        early.update(step, value)
+    assert not early.summary()["growing"]
+    flat, falling = MismatchDrift(min_steps=4), MismatchDrift(min_steps=4)
+    for step in range(40):
+        flat.update(step, 1.0 + (0.1 if step % 2 else -0.1))
+        falling.update(step, 4.0 - 0.05 * step)
+    assert not flat.summary()["growing"] and abs(flat.summary()["slope_per_100_steps"]) < 1
+    assert not falling.summary()["growing"] and falling.summary()["slope_per_100_steps"] == pytest.approx(
+        -5.0
+    )
+    with pytest.raises(ValueError, match="growth"):
+        MismatchDrift(growth=1.0)
 
 
 def test_grpo_trains_a_policy_held_in_fp16_on_masters(tmp_path):

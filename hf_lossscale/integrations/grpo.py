@@ -42,7 +42,16 @@ from .trainer import LossScaleMixin
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["KVCacheSampler", "FP16GRPOTrainer", "AppliedStepsOnly", "mismatch_stats", "MISMATCH_BAND"]
+__all__ = [
+    "KVCacheSampler",
+    "FP16GRPOTrainer",
+    "AppliedStepsOnly",
+    "mismatch_stats",
+    "MismatchDrift",
+    "MISMATCH_BAND",
+    "MISMATCH_FIGURES",
+    "eos_token_ids",
+]
 
 #: The truncated importance-sampling band: tokens whose probability ratio leaves it are counted.
 MISMATCH_BAND = (0.9, 1.1)
@@ -217,20 +226,150 @@ def eos_token_ids(trainer: Any) -> list[int]:
     return [int(i) for i in ids]
 
 
-def mismatch_stats(delta: torch.Tensor) -> torch.Tensor:
-    """Five device-side figures of `delta` = trainer log p - sampler log p over the sampled tokens:
-    mean |Δ|, p95 |Δ|, max |Δ|, the share of tokens whose ratio exp(Δ) leaves `MISMATCH_BAND`, and
-    k3 = mean(exp(Δ) - 1 - Δ) (an unbiased, non-negative estimate of KL(sampler || trainer))."""
-    delta = delta.float()
-    if delta.numel() == 0:
-        return torch.full((5,), float("nan"), device=delta.device)
-    a, ratio = delta.abs(), delta.exp()
+#: The mismatch figures per optimizer step (`mismatch/<key>` in the logs, keys of each `mismatch`
+#: event), with how a log over several steps combines them. Δ = log p_trainer − log p_sampler per
+#: sampled token, r = exp(Δ); a sequence's figures use its own tokens. verl's names in brackets.
+MISMATCH_FIGURES: dict[str, str] = {
+    "mean_abs_dlogp": "mean",  # mean |Δ|
+    "p95_abs_dlogp": "mean",  # 95th percentile of |Δ|
+    "max_abs_dlogp": "max",  # max |Δ|
+    "outside_band_frac": "mean",  # share of tokens with r outside MISMATCH_BAND
+    "kl": "mean",  # mean(−Δ): KL(sampler ‖ trainer), direct estimator (rollout_corr/kl)
+    "k3_kl": "mean",  # mean(r − 1 − Δ): the same KL, k3 estimator, ≥ 0 (rollout_corr/k3_kl)
+    "chi2_token": "mean",  # mean(r²) − 1 over tokens (rollout_corr/chi2_token)
+    "chi2_seq": "mean",  # mean(R²) − 1 over sequences, R = exp(ΣΔ) (rollout_corr/chi2_seq)
+    "log_ppl_diff": "mean",  # mean over sequences of log PPL_trainer − log PPL_sampler = −mean_t Δ (rollout_corr/log_ppl_diff)
+    "log_ppl_diff_max": "max",  # its largest sequence (rollout_corr/log_ppl_diff_max)
+    "log_ppl_diff_min": "min",  # its smallest sequence (rollout_corr/log_ppl_diff_min)
+    "log_ppl_abs_diff": "mean",  # mean over sequences of |log PPL_trainer − log PPL_sampler| (rollout_corr/log_ppl_abs_diff)
+    "ppl_ratio": "mean",  # mean over sequences of PPL_trainer / PPL_sampler (rollout_corr/ppl_ratio)
+    "pearson_probs": "mean",  # Pearson correlation of the tokens' probabilities (training_rollout_actor_probs_pearson_corr)
+}
+MISMATCH_KEYS = tuple(MISMATCH_FIGURES)
+#: |log R| of a sequence is clipped here before R² is taken (as verl does), so one long sequence
+#: cannot make chi2_seq infinite
+SEQUENCE_LOG_RATIO_CLIP = 20.0
+
+
+def mismatch_stats(
+    trainer_logps: torch.Tensor, sampler_logps: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The figures of `MISMATCH_FIGURES`, in that order, as one device tensor (read once per log).
+
+    Args:
+        trainer_logps (`torch.Tensor`): the trainer's log p of each sampled token, (sequences, tokens)
+            or (tokens,) for one sequence.
+        sampler_logps (`torch.Tensor`): the sampler's log p of the same tokens, same shape; NaN where
+            the sampler gave none (those tokens are left out).
+        mask (`torch.Tensor`, *optional*): which tokens are completion tokens (default: all).
+
+    NaN for figures without data (no tokens; a Pearson correlation of constant probabilities).
+    """
+    trainer_logps, sampler_logps = trainer_logps.float(), sampler_logps.float()
+    if trainer_logps.dim() == 1:
+        trainer_logps, sampler_logps = trainer_logps[None], sampler_logps[None]
+        mask = None if mask is None else mask[None]
+    mask = torch.ones_like(trainer_logps, dtype=torch.bool) if mask is None else mask.bool()
+    mask = mask & ~sampler_logps.isnan() & ~trainer_logps.isnan()
+    nan = torch.full((len(MISMATCH_KEYS),), float("nan"), device=trainer_logps.device)
+    if not bool(mask.any()):  # the one sync here; an empty step is rare (no completion tokens)
+        return nan
+    delta = torch.where(mask, trainer_logps - sampler_logps, 0.0)
+    d = delta[mask]
+    a, ratio = d.abs(), d.exp()
     outside = ((ratio < MISMATCH_BAND[0]) | (ratio > MISMATCH_BAND[1])).float().mean()
-    k3 = (ratio - 1 - delta).mean()
-    return torch.stack([a.mean(), torch.quantile(a, 0.95), a.max(), outside, k3])
+    # per sequence (those with at least one token)
+    counts = mask.sum(-1)
+    has = counts > 0
+    seq_sum = delta.sum(-1)[has]
+    log_ppl_diff = -seq_sum / counts[has]  # log PPL_trainer − log PPL_sampler
+    seq_ratio_sq = (2 * seq_sum.clamp(-SEQUENCE_LOG_RATIO_CLIP, SEQUENCE_LOG_RATIO_CLIP)).exp()
+    p_s, p_t = sampler_logps[mask].exp(), trainer_logps[mask].exp()
+    cs, ct = p_s - p_s.mean(), p_t - p_t.mean()
+    pearson = (cs * ct).sum() / ((cs * cs).sum() * (ct * ct).sum()).sqrt()
+    figures = {
+        "mean_abs_dlogp": a.mean(),
+        "p95_abs_dlogp": torch.quantile(a, 0.95),
+        "max_abs_dlogp": a.max(),
+        "outside_band_frac": outside,
+        "kl": (-d).mean(),
+        "k3_kl": (ratio - 1 - d).mean(),
+        "chi2_token": (ratio * ratio).mean() - 1,
+        "chi2_seq": seq_ratio_sq.mean() - 1,
+        "log_ppl_diff": log_ppl_diff.mean(),
+        "log_ppl_diff_max": log_ppl_diff.max(),
+        "log_ppl_diff_min": log_ppl_diff.min(),
+        "log_ppl_abs_diff": log_ppl_diff.abs().mean(),
+        "ppl_ratio": log_ppl_diff.exp().mean(),
+        "pearson_probs": pearson,
+    }
+    return torch.stack([figures[k] for k in MISMATCH_KEYS])
 
 
-MISMATCH_KEYS = ("mean_abs_dlogp", "p95_abs_dlogp", "max_abs_dlogp", "outside_band_frac", "k3_kl")
+def combine_steps(key: str, values: list[float]) -> float | None:
+    """One log's value of figure `key` from its steps' values (NaN left out), as `MISMATCH_FIGURES` says."""
+    finite = [v for v in values if v == v]
+    if not finite:
+        return None
+    how = MISMATCH_FIGURES.get(key, "mean")
+    return max(finite) if how == "max" else min(finite) if how == "min" else sum(finite) / len(finite)
+
+
+class MismatchDrift:
+    """The drift of a mismatch figure over training: its least-squares slope against the optimizer step,
+    per 100 steps, over every step seen so far, and whether it is growing.
+
+    It is growing when at least `min_steps` steps are in, the slope is positive at `min_t` standard
+    errors or more, and the fitted line at the last step is at least `growth` times its value at the
+    first (verl #7519 watched k3 KL grow 3.1x over 32 steps before a collapse).
+
+    Args:
+        min_steps (`int`, defaults to 20): steps needed before it judges.
+        growth (`float`, defaults to 2.0): the end/start ratio of the fitted line that counts as growth.
+        min_t (`float`, defaults to 3.0): the slope's t-statistic that counts as a trend, not noise.
+
+    Example:
+        ```python
+        drift = MismatchDrift(min_steps=4)
+        for step, k3 in [(0, 1.0), (10, 2.0), (20, 3.0), (30, 4.0)]:
+            drift.update(step, k3)
+        drift.summary()["slope_per_100_steps"]  # 10.0
+        ```
+    """
+
+    def __init__(self, min_steps: int = 20, growth: float = 2.0, min_t: float = 3.0) -> None:
+        if min_steps < 3:
+            raise ValueError(f"min_steps must be >= 3 (a slope and its error), got {min_steps}.")
+        if growth <= 1.0:
+            raise ValueError(f"growth must be > 1 (an end/start ratio), got {growth}.")
+        self.min_steps, self.growth, self.min_t = min_steps, growth, min_t
+        self.steps: list[float] = []
+        self.values: list[float] = []
+
+    def update(self, step: int, value: float) -> None:
+        if value == value:  # NaN (a step without tokens) is left out
+            self.steps.append(float(step))
+            self.values.append(float(value))
+
+    def summary(self) -> dict[str, Any] | None:
+        """`slope_per_100_steps`, `stderr_per_100_steps`, `fitted_start`, `fitted_end`, `steps` and
+        `growing`; None before two distinct steps."""
+        n = len(self.steps)
+        if n < 2:
+            return None
+        mx, my = sum(self.steps) / n, sum(self.values) / n
+        sxx = sum((x - mx) ** 2 for x in self.steps)
+        if sxx == 0:
+            return None
+        slope = sum((x - mx) * (y - my) for x, y in zip(self.steps, self.values)) / sxx
+        intercept = my - slope * mx
+        residual = sum((y - intercept - slope * x) ** 2 for x, y in zip(self.steps, self.values))
+        stderr = (residual / (n - 2) / sxx) ** 0.5 if n > 2 else float("inf")
+        start, end = intercept + slope * self.steps[0], intercept + slope * self.steps[-1]
+        trend = slope > 0 and (stderr == 0 or slope / stderr >= self.min_t)
+        grew = end >= self.growth * start if start > 0 else end > 0
+        return {"slope_per_100_steps": 100 * slope, "stderr_per_100_steps": 100 * stderr, "fitted_start": start,
+                "fitted_end": end, "steps": n, "growing": bool(n >= self.min_steps and trend and grew)}  # fmt: skip
 
 
 class AppliedStepsOnly(TrainerCallback):
@@ -328,8 +467,12 @@ class FP16GRPOTrainer(LossScaleMixin, GRPOTrainer):
         rollout = kwargs.get("rollout_func")
         #: the sampler when it is ours (a `KVCacheSampler`: its precision is known), else None
         self._sampler = rollout if isinstance(rollout, KVCacheSampler) else None
-        self._mismatch_deltas: list[torch.Tensor] = []
+        #: this optimizer step's micro-batches: (trainer log p, sampler log p, completion mask)
+        self._mismatch_batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._mismatch_pending: list[tuple[int, torch.Tensor]] = []
+        #: the drift of k3 KL over the run (`mismatch/k3_kl_drift_per_100_steps`), warned about once
+        self.mismatch_drift = MismatchDrift()
+        self._drift_warned = False
         self.applied_steps = 0
         super().__init__(*args, **kwargs)
         self.pop_callback(SyncRefModelCallback)  # replaced: the sync counts applied steps
@@ -370,15 +513,19 @@ class FP16GRPOTrainer(LossScaleMixin, GRPOTrainer):
         if captured:
             completion_ids, mask = inputs["completion_ids"], inputs["completion_mask"].bool()
             trainer_logps = captured[0][:, -completion_ids.shape[1] :].float()  # temperature applied by TRL
-            delta = trainer_logps - sampled
-            self._mismatch_deltas.append(delta[mask & ~sampled.isnan()])
+            self._mismatch_batches.append((trainer_logps, sampled.float(), mask))
         return loss
 
     def _finish_mismatch_step(self, step: int) -> None:
-        if self._mismatch_deltas:
-            stats = mismatch_stats(torch.cat(self._mismatch_deltas))
-            self._mismatch_pending.append((step, stats))
-            self._mismatch_deltas = []
+        if self._mismatch_batches:
+            width = max(t.shape[1] for t, _, _ in self._mismatch_batches)
+            pad = lambda x, v: torch.nn.functional.pad(x, (0, width - x.shape[1]), value=v)  # noqa: E731
+            trainer_logps, sampler_logps, mask = (
+                torch.cat([pad(b[i], v) for b in self._mismatch_batches])
+                for i, v in ((0, 0.0), (1, 0.0), (2, False))
+            )
+            self._mismatch_pending.append((step, mismatch_stats(trainer_logps, sampler_logps, mask)))
+            self._mismatch_batches = []
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         if self._mismatch_pending and "loss" in logs:
@@ -389,12 +536,29 @@ class FP16GRPOTrainer(LossScaleMixin, GRPOTrainer):
                 self.loss_scale_events.write(
                     {"event": "mismatch", "step": step, **dict(zip(MISMATCH_KEYS, row))}
                 )
-            columns = list(zip(*values))
-            for key, column in zip(MISMATCH_KEYS, columns):
-                finite = [v for v in column if v == v]
-                if finite:
-                    logs[f"mismatch/{key}"] = (
-                        max(finite) if key.startswith("max") else sum(finite) / len(finite)
-                    )
+            for key, column in zip(MISMATCH_KEYS, zip(*values)):
+                value = combine_steps(key, list(column))
+                if value is not None:
+                    logs[f"mismatch/{key}"] = value
+            k3 = MISMATCH_KEYS.index("k3_kl")
+            for step, row in zip(steps, values):
+                self.mismatch_drift.update(step, row[k3])
+            self._report_drift(logs)
             logs["applied_steps"] = self.applied_steps
         super().log(logs, *args, **kwargs)
+
+    def _report_drift(self, logs: dict[str, float]) -> None:
+        drift = self.mismatch_drift.summary()
+        if drift is None:
+            return
+        logs["mismatch/k3_kl_drift_per_100_steps"] = drift["slope_per_100_steps"]
+        if drift["growing"] and not self._drift_warned:
+            self._drift_warned = True
+            self.loss_scale_events.write({"event": "mismatch_drift", "figure": "k3_kl", **drift})
+            warnings.warn(
+                f"The sampler/trainer mismatch is growing: k3 KL rose from {drift['fitted_start']:.3g} to "
+                f"{drift['fitted_end']:.3g} over {drift['steps']} steps ({drift['slope_per_100_steps']:.3g} per "
+                "100 steps). A growing mismatch preceded the collapses verl #7519 reports: check the sampler's "
+                "precision, or correct for it (TRL's importance sampling).",
+                stacklevel=2,
+            )
