@@ -458,28 +458,53 @@ def _module_patterns(value: Any) -> tuple[str, ...]:
     return out
 
 
+#: A config file is a few hundred bytes: more than this is something else (`/dev/zero`, a data file).
+MAX_CONFIG_BYTES = 1 << 20
+#: The most YAML nodes a config may expand to through its aliases (`&a` / `*a`): a few hundred bytes
+#: of nested aliases otherwise expand to hundreds of millions of values.
+MAX_CONFIG_NODES = 10_000
+
+
 def read_config_file(path: str | os.PathLike, what: str = "loss-scale config") -> Any:
-    """Parse a YAML or JSON file; errors name the file."""
+    """Parse a YAML or JSON file; errors name the file and are bounded in length: a file over
+    `MAX_CONFIG_BYTES`, or YAML whose aliases expand past `MAX_CONFIG_NODES` values, is refused."""
     path = Path(path)
+    shown = repr(str(path)) if len(str(path)) <= 300 else repr(str(path)[:300] + "...")
     try:
-        text = path.read_text(encoding="utf-8")
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
     except OSError as err:
-        raise ValueError(f"Cannot read {what} file {str(path)!r}: {err}") from None
-    except UnicodeDecodeError:
+        raise ValueError(f"Cannot read {what} file {shown}: {err.strerror or err}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
         raise ValueError(
-            f"Cannot read {what} file {str(path)!r}: it is not UTF-8 text (a binary file?)."
-        ) from None
+            f"{what} file {shown} is over {MAX_CONFIG_BYTES} bytes: not a config file (a config is a "
+            "mapping of a few fields)."
+        )
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"Cannot read {what} file {shown}: it is not UTF-8 text (a binary file?).") from None
     try:
         if path.suffix == ".json":
             return json.loads(text, object_pairs_hook=_no_duplicates)
         return _yaml_load(text)
     except _DuplicateKey as err:
-        raise ValueError(f"{what} file {str(path)!r}: key {err.args[0]!r} is given twice.") from None
-    except Exception as err:  # yaml.YAMLError / json.JSONDecodeError
-        raise ValueError(f"Cannot parse {what} file {str(path)!r}: {err}") from None
+        key = repr(err.args[0])
+        key = key if len(key) <= 100 else key[:100] + "..."
+        raise ValueError(f"{what} file {shown}: key {key} is given twice.") from None
+    except _TooBig as err:
+        raise ValueError(f"{what} file {shown}: {err}") from None
+    except Exception as err:  # yaml.YAMLError / json.JSONDecodeError / RecursionError
+        message = str(err) if not isinstance(err, RecursionError) else "nested too deeply"
+        message = message if len(message) <= 500 else message[:500] + "..."
+        raise ValueError(f"Cannot parse {what} file {shown}: {message}") from None
 
 
 class _DuplicateKey(Exception):
+    pass
+
+
+class _TooBig(Exception):
     pass
 
 
@@ -492,20 +517,54 @@ def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _expanded_size(node: Any, sizes: dict[int, int]) -> int:
+    """How many nodes `node` stands for once every alias is expanded (shared nodes counted once per
+    use, each computed once); refuses a node that contains itself."""
+    key = id(node)
+    if key in sizes:
+        if sizes[key] < 0:
+            raise _TooBig("a YAML alias refers to a node that contains it (a recursive alias).")
+        return sizes[key]
+    sizes[key] = -1
+    children = node.value if isinstance(node.value, list) else []
+    total = 1
+    for child in children:
+        for part in child if isinstance(child, tuple) else (child,):
+            total += _expanded_size(part, sizes)
+            if total > MAX_CONFIG_NODES:
+                raise _TooBig(
+                    f"its YAML aliases expand to more than {MAX_CONFIG_NODES} values (nested aliases, a "
+                    "'billion laughs'?); write the values out."
+                )
+    sizes[key] = total
+    return total
+
+
 def _yaml_load(text: str) -> Any:
-    """`yaml.safe_load`, refusing a mapping that gives a key twice (PyYAML keeps the last silently)."""
+    """`yaml.safe_load`, refusing a mapping that gives a key twice (PyYAML keeps the last silently)
+    and aliases that expand past `MAX_CONFIG_NODES` values. A merge (`<<: *defaults`) is YAML's way
+    to override: keys given beside it win over the merged ones."""
     import yaml
 
     class Loader(yaml.SafeLoader):
-        pass
+        def get_single_data(self):
+            node = self.get_single_node()
+            if node is None:
+                return None
+            _expanded_size(node, {})
+            return self.construct_document(node)
 
     def mapping(loader, node, deep=False):
-        loader.flatten_mapping(node)
+        own = sum(1 for k, _ in node.value if k.tag != "tag:yaml.org,2002:merge")
+        loader.flatten_mapping(node)  # the merged pairs first (the earliest merge last), then its own
+        split = len(node.value) - own
+        merged = {loader.construct_object(k, deep=deep): loader.construct_object(v, deep=deep)
+                  for k, v in node.value[:split]}  # fmt: skip
         pairs = [
             (loader.construct_object(k, deep=deep), loader.construct_object(v, deep=deep))
-            for k, v in node.value
+            for k, v in node.value[split:]
         ]
-        return _no_duplicates(pairs)
+        return {**merged, **_no_duplicates(pairs)}
 
     Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, mapping)
     return yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader subclass
@@ -584,8 +643,12 @@ def _env_layers(environ: dict[str, str] | None) -> dict[str, tuple[Any, str]]:
     environ = os.environ if environ is None else environ
     fields = LossScaleConfig.field_names()
     values: dict[str, tuple[Any, str]] = {}
-    if environ.get(ENV_CONFIG_FILE):
+    if ENV_CONFIG_FILE in environ:
         path = environ[ENV_CONFIG_FILE]
+        if not path.strip():  # as a blank field variable: a mistake, not "no file"
+            raise ValueError(
+                f"Environment variable {ENV_CONFIG_FILE} is set but empty: name a YAML/JSON file, or unset it."
+            )
         data = config_section(read_config_file(path))
         source = f"{ENV_CONFIG_FILE}={path}"
         LossScaleConfig.from_dict(data, source=source)  # validates; errors name the keys

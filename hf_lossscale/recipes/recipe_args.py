@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import csv
 import glob
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -80,22 +81,43 @@ def _apply_config_file(parser: HfArgumentParser, path: str) -> None:
     for name, value in values.items():
         action = actions[name]
         action.required = False  # the file supplies it
-        kind = action.type
-        if isinstance(value, str) and callable(kind):
-            try:
-                value = kind(value)
-            except (TypeError, ValueError) as err:
-                raise ValueError(f"Recipe config file {path!r}: {name}={value!r}: {err}") from None
-        elif kind in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise ValueError(f"Recipe config file {path!r}: {name}={value!r} is not a number.")
-        elif kind is int and isinstance(value, float) and not value.is_integer():
-            raise ValueError(f"Recipe config file {path!r}: {name}={value!r} is not an integer.")
-        if action.choices is not None and value not in action.choices:
-            raise ValueError(
-                f"Recipe config file {path!r}: {name}={value!r} is not one of {list(action.choices)}."
-            )
-        defaults[name] = int(value) if kind is int and isinstance(value, float) else value
+        if action.nargs in ("+", "*"):  # a list flag (e.g. report_to): a list, or one value
+            items = value if isinstance(value, list) else [value]
+            defaults[name] = [_config_value(path, name, action, v) for v in items]
+        else:
+            defaults[name] = _config_value(path, name, action, value)
     parser.set_defaults(**defaults)
+
+
+def _shown(value: Any) -> str:
+    """A value as quoted in an error, cut to a readable length."""
+    text = repr(value)
+    return text if len(text) <= 120 else f"{text[:120]}... ({len(text) - 120} more characters)"
+
+
+def _config_value(path: str, name: str, action: argparse.Action, value: Any) -> Any:
+    """One value of the recipe config file, checked against its flag's type (as the command line
+    would parse it): a mapping or list for a single value, a number for a true/false flag, a
+    fraction for an integer are refused, naming the file, the key and the value."""
+    where = f"Recipe config file {path!r}: {name}={_shown(value)}"
+    kind = action.type
+    if isinstance(value, (dict, list)):
+        raise ValueError(f"{where} is a {type(value).__name__}; {name} takes a single value.")
+    is_bool = getattr(kind, "__name__", "") == "string_to_bool" or isinstance(action.const, bool)
+    if is_bool and not isinstance(value, (bool, str)):
+        raise ValueError(f"{where} is not true or false.")
+    if isinstance(value, str) and callable(kind):
+        try:
+            value = kind(value)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{where}: {_shown(err)}") from None
+    elif kind in (int, float) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ValueError(f"{where} is not a number.")
+    elif kind is int and isinstance(value, float) and not value.is_integer():
+        raise ValueError(f"{where} is not an integer.")
+    if action.choices is not None and value not in action.choices:
+        raise ValueError(f"{where} is not one of {list(action.choices)}.")
+    return int(value) if kind is int and isinstance(value, float) else value
 
 
 @dataclass
@@ -265,16 +287,63 @@ def load_raw_datasets(data: Any, model: ModelArguments, *, shuffle_split: bool =
                 names = _columns_of(matches[0], options, data, headerless)
                 if names is not None:
                     extra["column_names"] = names
-            loaded = load_dataset(builder, data_files={split: path}, cache_dir=model.cache_dir, **extra)
+            for match in matches:
+                check_data_file(f"--{split}_file", match, text=builder == "text")
+            try:
+                loaded = load_dataset(builder, data_files={split: path}, cache_dir=model.cache_dir, **extra)
+            except Exception as err:  # datasets' DatasetGenerationError names neither the file nor why
+                cause = err.__cause__ or err
+                reason = f"{type(cause).__name__}: {cause}"
+                reason = reason if len(reason) <= 300 else reason[:300] + "..."
+                raise ValueError(
+                    f"--{split}_file {path!r}: could not be read as {builder}: {reason}"
+                ) from None
             raw[split] = loaded[split]
     if "validation" not in raw and "validation_matched" in raw:  # GLUE MNLI
         raw["validation"] = raw["validation_matched"]
     if "validation" not in raw:
+        rows = len(raw["train"])
+        held_out = math.ceil(rows * data.validation_split_percentage / 100)
+        if rows - held_out < 1:  # sklearn's "the resulting train set will be empty"
+            where = f"--train_file {data.train_file!r}" if data.dataset_name is None else data.dataset_name
+            raise ValueError(
+                f"{where} has {rows} row(s): too few to hold out {data.validation_split_percentage}% for "
+                "evaluation and train on the rest; give more text or a --validation_file."
+            )
         split = raw["train"].train_test_split(
             test_size=data.validation_split_percentage / 100, seed=0, shuffle=shuffle_split
         )
         raw["train"], raw["validation"] = split["train"], split["test"]
     return raw
+
+
+def check_data_file(flag: str, path: str, *, text: bool) -> None:
+    """Refuse a local data file that cannot be what the flag wants, naming it and why: empty,
+    UTF-16 (a byte-order mark), binary (NUL bytes, not UTF-8), or, for a text file, only blank lines
+    (the text builder would train on nothing without a word)."""
+    import codecs
+
+    shown = repr(path) if len(path) <= 300 else repr(path[:300] + "...")
+    with open(path, "rb") as f:
+        head = f.read(1 << 20)
+        if not head:
+            raise ValueError(f"{flag} {shown} is empty.")
+        if head.startswith(
+            (codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE, codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE)
+        ):
+            raise ValueError(f"{flag} {shown} is UTF-16/32 text (a byte-order mark): save it as UTF-8.")
+        if b"\0" in head:
+            raise ValueError(f"{flag} {shown} holds NUL bytes: a binary file, or UTF-16 text without a mark?")
+        try:
+            codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+        except UnicodeDecodeError as err:
+            raise ValueError(f"{flag} {shown} is not UTF-8 text (byte {err.start}: {err.reason}).") from None
+        if text:
+            chunk = head
+            while chunk and not chunk.strip():
+                chunk = f.read(1 << 20)
+            if not chunk.strip():
+                raise ValueError(f"{flag} {shown} holds only blank lines: no text to train on.")
 
 
 def _eval_at_last_step(trainer: Any, training_args: Any) -> dict[str, float] | None:

@@ -101,7 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     from .compare import split_script_args
 
     own, script_args = split_script_args(argv)
-    opts = make_parser().parse_args(own)
+    parser = make_parser()
+    opts = parser.parse_args(own)
+    _check_counts(parser, opts)
     if opts.command == "report":
         from .report import make_report
 
@@ -134,6 +136,23 @@ def main(argv: list[str] | None = None) -> int:
         run_underflow(opts)
         return 0
     raise AssertionError(opts.command)
+
+
+#: Options that count something (a batch, a step, a block): 0 or less is a mistake, refused by name
+#: before a model loads (a batch of 0 divided by zero; `advise --steps -3` said "Not enough text").
+_COUNTS = {
+    "advise": ("block_size", "per_device_train_batch_size", "gradient_accumulation_steps", "steps"),
+    "preflight": ("block_size", "per_device_train_batch_size", "gradient_accumulation_steps", "steps",
+                  "max_modules"),
+    "precision": ("block_size", "eval_blocks", "train_blocks", "batch_size"),
+}  # fmt: skip
+
+
+def _check_counts(parser: argparse.ArgumentParser, opts: argparse.Namespace) -> None:
+    for name in _COUNTS.get(opts.command, ()):
+        value = getattr(opts, name, None)
+        if value is not None and value < 1:
+            parser.error(f"{opts.command} --{name} must be at least 1, got {value}.")
 
 
 if __name__ == "__main__":

@@ -23,9 +23,20 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from .files import DirectoryLock, LockedError, atomic_write_text
+from .files import DirectoryLock, LockedError, atomic_write_text, disk_error, publish, staging
+from .messages import capped
 from .plots import write_plots
-from .runner import CHILDREN, STOPPING, finished_with, launch_prefix, on_signal, run_one, stop
+from .runner import (
+    CHILDREN,
+    STOPPING,
+    WATCHER,
+    finished_with,
+    launch_prefix,
+    on_signal,
+    run_one,
+    stop,
+    wait_for_earlier_runs,
+)
 from .runs import DEFAULT_SETTINGS, FP16_SETTINGS, OWNED_FLAGS, RUN_RECORD, SETTINGS, RunResult, setting_flags
 from .summary import percent, percent_change, scale_text, summarize, write_summary
 
@@ -67,9 +78,11 @@ def add_compare_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Comma-separated settings run with the first seed only (e.g. 'static', whose "
                         "overflow storm needs no noise estimate).")  # fmt: skip
     parser.add_argument("--reuse_finished", action="store_true",
-                        help="Keep a run that already finished (exit 0) in OUTPUT_DIR/runs with the same command "
-                        "instead of rerunning it: resume an interrupted comparison, or run seeds in parallel "
-                        "into one OUTPUT_DIR and summarise them together.")  # fmt: skip
+                        help="Keep a run in OUTPUT_DIR/runs that provably finished with the same inputs instead "
+                        "of rerunning it: the same command, HF_LOSSSCALE_* environment and files it names (their "
+                        "digests), exit 0, and an event log that reached run_end at --max_steps with a final "
+                        "evaluation. Any other run is rerun, with the reason in one line. Resumes an "
+                        "interrupted comparison, or adds seeds to one (one comparison per OUTPUT_DIR at a time).")  # fmt: skip
     parser.add_argument("--jobs", type=int, default=1,
                         help="Runs at a time (each a subprocess; with more than 1, each gets OMP_NUM_THREADS = "
                         "cores / jobs unless you set it). Two one-thread runs beat one two-thread run on a CPU.")  # fmt: skip
@@ -86,24 +99,28 @@ def validate(opts: argparse.Namespace) -> None:
     settings = [s.strip() for s in opts.settings.split(",") if s.strip()]
     unknown = [s for s in settings if s not in SETTINGS]
     if unknown or not settings:
-        raise SystemExit(f"--settings {opts.settings!r}: unknown {unknown}; choose from {list(SETTINGS)}.")
+        raise SystemExit(
+            f"--settings {capped(opts.settings)}: unknown {capped(unknown)}; choose from {list(SETTINGS)}."
+        )
     opts.settings = settings
     first_only = [s.strip() for s in (getattr(opts, "first_seed_only", "") or "").split(",") if s.strip()]
     if any(s not in settings for s in first_only):
-        raise SystemExit(f"--first_seed_only {first_only}: each must be one of --settings {settings}.")
+        raise SystemExit(
+            f"--first_seed_only {capped(first_only)}: each must be one of --settings {settings}."
+        )
     opts.first_seed_only = first_only
     opts.script_args = list(getattr(opts, "script_args", []))
     owned = sorted({a.split("=", 1)[0] for a in opts.script_args if a.split("=", 1)[0] in OWNED_FLAGS})
     if owned:
         raise SystemExit(
-            f"Script arguments {owned} are set by the runner per setting; use the runner's options instead."
+            f"Script arguments {capped(owned)} are set by the runner per setting; use the runner's options instead."
         )
     if opts.max_steps < 1:
         raise SystemExit(f"--max_steps must be at least 1, got {opts.max_steps}.")
     if not opts.static_scale > 0 or not math.isfinite(opts.static_scale):
         raise SystemExit(f"--static_scale must be a positive finite number, got {opts.static_scale}.")
     if not Path(opts.script).is_file():
-        raise SystemExit(f"No script {opts.script!r}.")
+        raise SystemExit(f"No script {capped(opts.script)}.")
     if getattr(opts, "jobs", 1) < 1:
         raise SystemExit(f"--jobs must be at least 1, got {opts.jobs}.")
     init = getattr(opts, "dynamic_init_scale", None)
@@ -113,7 +130,7 @@ def validate(opts: argparse.Namespace) -> None:
     if interval is not None and interval < 1:
         raise SystemExit(f"--dynamic_growth_interval must be at least 1, got {interval}.")
     if len(set(opts.seeds)) != len(opts.seeds):
-        raise SystemExit(f"--seeds {opts.seeds} repeats a seed.")
+        raise SystemExit(f"--seeds {capped(opts.seeds)} repeats a seed.")
 
 
 def run_comparison(opts: argparse.Namespace) -> tuple[list[RunResult], dict[str, Any]]:
@@ -135,16 +152,30 @@ def run_comparison(opts: argparse.Namespace) -> tuple[list[RunResult], dict[str,
     except LockedError as err:
         raise SystemExit(str(err)) from None
     handlers = {}
-    if threading.current_thread() is threading.main_thread():  # SIGTERM/SIGINT stop the children too
-        handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    if threading.current_thread() is threading.main_thread():  # SIGTERM/SIGINT/SIGHUP stop the children too
+        handlers = {sig: signal.signal(sig, on_signal) for sig in STOP_SIGNALS}
     try:
+        # A runner killed before it could stop its runs (SIGKILL, the OOM killer) leaves them to its
+        # watcher, which stops them within seconds: wait for that, never delete a folder under them.
+        live = wait_for_earlier_runs(out)
+        if live:
+            groups = ", ".join(f"{d.name} (process group {g})" for d, g in live)
+            raise SystemExit(
+                f"Training from an earlier comparison still runs in {out / 'runs'}: {groups}. "
+                f"Stop it (kill -- -PGID) and start again."
+            )
         return _run_comparison(opts, out)
     finally:
         for sig, handler in handlers.items():
             signal.signal(sig, handler)
         for proc in list(CHILDREN):
             stop(proc)
+        WATCHER.close()
         lock.__exit__(None, None, None)
+
+
+#: The signals that stop a comparison (SIGHUP: a closed terminal, a lost ssh session).
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
 def _run_comparison(opts: argparse.Namespace, out: Path) -> tuple[list[RunResult], dict[str, Any]]:
@@ -169,19 +200,36 @@ def _run_comparison(opts: argparse.Namespace, out: Path) -> tuple[list[RunResult
     finally:
         pool.shutdown(wait=True)
     summary = summarize(results, opts)
-    text = write_summary(results, summary, opts, out)
-    plots = write_plots(results, opts, out)
-    payload = {
-        "command": opts.command_line,
-        "options": {k: v for k, v in vars(opts).items() if k != "command_line"},
-        "runs": [asdict(r) for r in results],
-        "summary": summary,
-        "plots": plots,
-    }
-    atomic_write_text(out / "metrics.json", json.dumps(payload, indent=2, default=str))
+    text, plots = write_outputs(results, summary, opts, out)
     print(text)
     print(f"Wrote {out / 'summary.md'}, {out / 'metrics.json'}, " + ", ".join(str(out / p) for p in plots))
     return results, summary
+
+
+def write_outputs(
+    results: list[RunResult], summary: dict[str, Any], opts: argparse.Namespace, out: Path
+) -> tuple[str, list[str]]:
+    """summary.md, the plots and metrics.json, published as one set (`files.publish`): after any
+    failure the folder holds the previous complete set or this one. A full disk is one line."""
+    try:
+        with staging(out) as staged:
+            text = write_summary(results, summary, opts, staged)
+            plots = write_plots(results, opts, staged)
+            payload = {
+                "command": opts.command_line,
+                "options": {k: v for k, v in vars(opts).items() if k != "command_line"},
+                "runs": [asdict(r) for r in results],
+                "summary": summary,
+                "plots": plots,
+            }
+            atomic_write_text(staged / "metrics.json", json.dumps(payload, indent=2, default=str))
+            publish(staged, out, ["summary.md", *plots, "metrics.json"])
+    except OSError as err:
+        line = disk_error(err, "the comparison's summary, plots and metrics", out)
+        if line is None:
+            raise
+        raise SystemExit(line) from None
+    return text, plots
 
 
 def main(argv: list[str], prog: str = "hf-lossscale compare") -> int:

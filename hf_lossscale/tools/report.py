@@ -14,7 +14,7 @@ from ..core.events import EVENT_LOG_NAME, read_run_events, train_log_series
 from ..core.overflow import display_origin
 from ..core.telemetry import BUCKETS, MAX_EXP, MIN_EXP, bucket_index
 
-__all__ = ["add_report_arguments", "make_report", "exponent_heatmap"]
+__all__ = ["add_report_arguments", "make_report", "exponent_heatmap", "latest_attempt"]
 
 
 def add_report_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +73,36 @@ def exponent_heatmap(ax, snapshots: list[dict[str, Any]], title: str) -> None:
     ax.set_title(title)
 
 
+#: Events that belong to a step: an attempt that a resume discarded wrote some past its checkpoint.
+_STEPPED = ("log", "telemetry", "overflow", "flushed_probe", "error")
+
+
+def latest_attempt(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The events of the steps as they stand: when a resumed run logs a training step at or before
+    one already logged (it went back to its checkpoint), what the earlier attempt wrote from that
+    step on is dropped (it was discarded: the curve reads 1..8 then 6, 7, 8, 9 otherwise)."""
+    out: list[dict[str, Any]] = []
+    last = None
+    for e in events:
+        if e.get("event") == "log" and "loss" in e and "eval_loss" not in e:
+            try:
+                step = float(e["step"])
+            except (TypeError, ValueError):
+                step = None
+            if step is not None and last is not None and step <= last:
+                out = [o for o in out if not (o.get("event") in _STEPPED and _at_or_after(o, step))]
+            last = step if step is not None else last
+        out.append(e)
+    return out
+
+
+def _at_or_after(event: dict[str, Any], step: float) -> bool:
+    try:
+        return float(event.get("step")) >= step
+    except (TypeError, ValueError):
+        return False
+
+
 _GRAD_KEYS = ("zero_frac", "subnormal_frac", "below_fp16_frac", "headroom_bits", "per_module")
 _ACT_KEYS = ("lost_frac", "headroom_bits")
 
@@ -93,7 +123,7 @@ def make_report(run_dir: str | Path, output_dir: str | Path | None = None) -> di
             f"No {EVENT_LOG_NAME} in {run_dir}: is it the output_dir of a LossScaleTrainer run?"
         )
     skipped: list[int] = []
-    events = read_run_events(log, skipped)
+    events = latest_attempt(read_run_events(log, skipped))
     out = Path(output_dir) if output_dir is not None else run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     series = train_log_series(events)

@@ -18,7 +18,8 @@ SETTINGS: dict[str, str] = {
     "master": "FP16 weights + FP32 masters",
     "pure": "FP16 weights, no masters",
 }
-#: Each run's record (command, exit status, wall time), written when it ends; `--reuse_finished` reads it.
+#: Each run's record (command, exit status, wall time, its inputs: the `HF_LOSSSCALE_*` environment and
+#: a digest of each file it names; the config it resolved), written when it ends; `--reuse_finished` reads it.
 RUN_RECORD = "run.json"
 #: Flags the runner sets itself; a script argument naming one of them is an error.
 OWNED_FLAGS = (
@@ -110,6 +111,7 @@ class RunResult:
     final_eval: dict[str, float] = field(default_factory=dict)
     skipped_steps: int | None = None
     total_steps: int | None = None
+    end_step: int | None = None  # the step of its `run_end` (None: the log has none, cut short)
     final_scale: float | None = None
     flushed_start: dict[str, Any] | None = None
     flushed_end: dict[str, Any] | None = None
@@ -152,6 +154,7 @@ def parse_events(result: RunResult, events: list[dict[str, Any]]) -> None:
                 result.flushed_end = probe
         elif kind == "run_end":
             result.total_steps = e.get("total_steps")
+            result.end_step = e.get("step")
             if "skipped_steps" in e:
                 result.skipped_steps = int(e["skipped_steps"])
                 result.final_scale = float(e["loss_scale"])

@@ -1,0 +1,291 @@
+"""The fault suite of `hf-lossscale compare` (issue 47): a comparison never reports a run it did not
+finish, never reuses a stale one, and leaves no training behind it.
+
+The runs here are `tests/scripts/fake_train.py` (the event log a `LossScaleTrainer` writes, in
+milliseconds, no torch) under `--launcher python`, so the trials are many and the suite is fast.
+Kill -9 of a real Trainer mid-run and mid-checkpoint-save, then a resume, is in
+`tests/test_crash_resume.py` (bitwise resumes at random steps and at every point of a save).
+"""
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from hf_lossscale.tools.files import DirectoryLock
+from hf_lossscale.tools.runner import reuse_problem, run_inputs
+
+ROOT = Path(__file__).resolve().parents[1]
+FAKE = ROOT / "tests" / "scripts" / "fake_train.py"
+SETTINGS = "fp32,dynamic"
+
+
+def compare_cmd(out, *extra, script_args=(), max_steps=4, settings=SETTINGS):
+    return [
+        sys.executable, "-m", "hf_lossscale.tools.cli", "compare", str(FAKE), "--launcher", "python",
+        "--settings", settings, "--max_steps", str(max_steps), "--output_dir", str(out), "--no_flushed_probe",
+        *extra, "--", *script_args,
+    ]  # fmt: skip
+
+
+def compare(out, *extra, env=None, **kw):
+    proc = subprocess.run(
+        compare_cmd(out, *extra, **kw), capture_output=True, text=True, env={**os.environ, **(env or {})},
+        timeout=120,
+    )  # fmt: skip
+    return proc
+
+
+def metrics(out):
+    return {r["setting"]: r for r in json.loads((out / "metrics.json").read_text())["runs"]}
+
+
+def processes_mentioning(marker: str) -> list[str]:
+    out = subprocess.run(["ps", "-ww", "-eo", "pid,args"], capture_output=True, text=True).stdout.splitlines()
+    return [line for line in out if marker in line and "ps -eo" not in line]
+
+
+def wait_gone(marker: str, within_s: float) -> list[str]:
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        left = processes_mentioning(marker)
+        if not left:
+            return []
+        time.sleep(0.2)
+    return processes_mentioning(marker)
+
+
+# ---------------------------------------------------------------------- 1. no orphans
+@pytest.mark.parametrize(
+    "sig", [signal.SIGHUP, signal.SIGKILL, signal.SIGTERM, signal.SIGINT], ids=lambda s: s.name
+)
+def test_a_signal_to_compare_leaves_no_training(tmp_path, sig):
+    """Two jobs, each a launcher with a training child (as `accelerate launch`), signalled mid-run.
+    Bug caught: SIGHUP (a closed terminal) and SIGKILL (the OOM killer) left the training running
+    with parent pid 1; the next comparison into the folder deleted the run folder, the orphan
+    recreated it and appended its steps into the new run's log (steps 317, 318, 1, 319, 2, ...)."""
+    out = tmp_path / "cmp"
+    cmd = compare_cmd(out, "--jobs", "2", script_args=["--spawn", "--step_s", "0.05"], max_steps=400)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    runs = out / "runs"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if len(list(runs.glob("*/loss_scale_log.jsonl")) if runs.exists() else []) >= 2:
+            break
+        assert proc.poll() is None, proc.stdout.read()[-3000:]
+        time.sleep(0.1)
+    time.sleep(random.uniform(0.0, 0.5))  # a random moment of the runs
+    assert len(processes_mentioning(str(out))) >= 4  # two launchers, two training processes
+    proc.send_signal(sig)
+    proc.wait(timeout=30)
+    assert proc.returncode == (-sig if sig == signal.SIGKILL else 128 + sig)
+    left = wait_gone(str(out), within_s=10)  # the watcher: SIGTERM, SIGKILL 5 s later at worst
+    assert left == [], left
+    # The next comparison into the same folder runs clean: every log holds one run, in order.
+    again = compare(out, "--jobs", "2")
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    for setting, run in metrics(out).items():
+        assert run["status"] == "ok" and run["steps"] == [1, 2, 3, 4], (setting, run["steps"])
+
+
+def test_a_folder_with_earlier_training_still_running_is_not_taken_over(tmp_path, monkeypatch):
+    """Bug caught: a runner took over the folder (the lock's owner was dead) and deleted the run
+    folder while the dead runner's training still wrote there."""
+    import argparse
+
+    from hf_lossscale.tools import compare as compare_mod
+    from hf_lossscale.tools import runner
+
+    out = tmp_path / "cmp"
+    run_dir = out / "runs" / "fp32-seed0"
+    run_dir.mkdir(parents=True)
+    orphan = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    try:
+        (run_dir / runner.PGID_FILE).write_text(str(orphan.pid))
+        (run_dir / "loss_scale_log.jsonl").write_text("")
+        monkeypatch.setattr(runner, "EARLIER_RUNS_WAIT_S", 0.5)
+        opts = argparse.Namespace(
+            script=str(FAKE), settings=SETTINGS, seeds=[0], max_steps=4, output_dir=str(out),
+            static_scale=2.0**24, fp16_on_cpu="emulate", launcher="python", launch_config=None,
+            first_seed_only="", reuse_finished=False, jobs=1, dynamic_init_scale=None,
+            dynamic_growth_interval=None, flushed_probe=False, script_args=[],
+        )  # fmt: skip
+        with pytest.raises(SystemExit, match=f"still runs.*process group {orphan.pid}"):
+            compare_mod.run_comparison(opts)
+        assert (run_dir / "loss_scale_log.jsonl").exists()  # not deleted under it
+    finally:
+        orphan.kill()
+        orphan.wait()
+
+
+# ---------------------------------------------------------------------- 2. reuse what finished
+def test_reuse_reruns_a_truncated_log_at_every_cut(tmp_path):
+    """`--reuse_finished` on a run whose event log was cut at each line boundary: never reused.
+    Bug caught: only run.json was checked; a cut log was reported as final with status ok (its gap an
+    artefact of an intermediate eval), or, with every eval cut, as FAILED (exit 0) and never rerun."""
+    out = tmp_path / "cmp"
+    first = compare(out)
+    assert first.returncode == 0, first.stderr[-2000:]
+    run_dir = out / "runs" / "dynamic-seed0"
+    log = run_dir / "loss_scale_log.jsonl"
+    full = log.read_bytes()
+    record = json.loads((run_dir / "run.json").read_text())
+    command, max_steps = record["command"], 4
+    inputs = run_inputs(command, {**os.environ, "PYTHONUNBUFFERED": "1"}, own=run_dir)
+    assert reuse_problem(run_dir, command, inputs, max_steps) is None
+    lines = full.splitlines(keepends=True)
+    trials = 0
+    for cut in range(len(lines)):  # every whole-line cut, and a cut inside each line
+        for data in (b"".join(lines[:cut]), b"".join(lines[:cut]) + lines[cut][: len(lines[cut]) // 2]):
+            log.write_bytes(data)
+            assert reuse_problem(run_dir, command, inputs, max_steps) is not None, data
+            trials += 1
+    assert trials == 2 * len(lines)
+    # End to end: the run is rerun, saying why in one line, and the table holds the full run.
+    log.write_bytes(b"".join(line for line in lines if b"run_end" not in line and b"eval_loss" not in line))
+    again = compare(out, "--reuse_finished")
+    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+    assert "[dynamic seed 0] rerunning: its event log has no run_end (cut short)" in again.stdout
+    assert "[   fp32 seed 0] reusing the finished run" in again.stdout
+    assert log.read_bytes() == full
+    assert metrics(out)["dynamic"]["status"] == "ok"
+
+
+def test_a_fresh_run_that_exits_0_with_a_cut_log_is_not_ok(tmp_path):
+    """Exit 0 is not a finished run: the log must reach run_end at --max_steps."""
+    from hf_lossscale.tools.runner import _finish
+    from hf_lossscale.tools.runs import RunResult
+
+    log = tmp_path / "loss_scale_log.jsonl"
+    events = [{"event": "run_start"}, {"event": "log", "step": 1, "loss": 1.0},
+              {"event": "log", "step": 2, "eval_loss": 0.5}]  # fmt: skip
+    log.write_text("".join(json.dumps(e) + "\n" for e in events))
+    result = RunResult(setting="fp32", seed=0, output_dir=str(tmp_path), command=[], returncode=0)
+    assert _finish(result, log, tmp_path / "run.log", max_steps=4).status == "failed"
+    assert "no run_end" in result.error
+
+
+@pytest.mark.parametrize("change", ["config_file", "env"])
+def test_reuse_reruns_when_an_input_changed(tmp_path, change):
+    """Bug caught: the record held only the command; a changed --config file or HF_LOSSSCALE_*
+    variable reused the old runs and the final scale stayed 2^16 where a fresh run gives 2^3."""
+    out = tmp_path / "cmp"
+    config = tmp_path / "run.yaml"
+    config.write_text("init_scale: 65536\n")
+    first = compare(out, script_args=["--config", str(config)] if change == "config_file" else [])
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert metrics(out)["dynamic"]["final_scale"] == 2.0**16
+    env = {}
+    if change == "config_file":
+        config.write_text("init_scale: 8\n")
+    else:
+        env = {"HF_LOSSSCALE_INIT_SCALE": "8"}
+    again = compare(out, "--reuse_finished", env=env,
+                    script_args=["--config", str(config)] if change == "config_file" else [])  # fmt: skip
+    assert again.returncode == 0, again.stderr[-2000:]
+    why = "changed" if change == "config_file" else "HF_LOSSSCALE_INIT_SCALE"
+    assert "[dynamic seed 0] rerunning: its inputs changed: " in again.stdout and why in again.stdout
+    assert metrics(out)["dynamic"]["final_scale"] == 8.0
+    record = json.loads((out / "runs" / "dynamic-seed0" / "run.json").read_text())
+    assert record["loss_scale_config"] == {"init_scale": 8.0}
+
+
+@pytest.mark.parametrize("bad", ["{not json", '{"command": [], "returncode": 0}', "[1, 2]"])
+def test_a_malformed_run_record_is_rerun_not_a_crash(tmp_path, bad):
+    """Bug caught: a run.json lacking wall_s (or not an object) crashed the comparison."""
+    out = tmp_path / "cmp"
+    assert compare(out).returncode == 0
+    record_path = out / "runs" / "dynamic-seed0" / "run.json"
+    record = json.loads(record_path.read_text())
+    if bad.startswith('{"command"'):
+        del record["wall_s"]
+        bad = json.dumps(record)
+    record_path.write_text(bad)
+    again = compare(out, "--reuse_finished")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "[dynamic seed 0] rerunning: its run.json is unreadable" in again.stdout
+
+
+# ---------------------------------------------------------------------- 3. atomic lock and outputs
+def _contender(folder, barrier, holders, overlaps):
+    barrier.wait()
+    try:
+        with DirectoryLock(folder):
+            with holders.get_lock():
+                holders.value += 1
+                if holders.value > 1:
+                    overlaps.value += 1
+            time.sleep(0.005)
+            with holders.get_lock():
+                holders.value -= 1
+    except Exception:
+        pass
+
+
+def test_stale_lock_takeover_is_atomic(tmp_path):
+    """A lock left by a dead runner, four runners at once, many trials: never two holders.
+    Bug caught: read owner, unlink, link is not atomic; two runners both held it in 29 of 300."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("fork")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    holders, overlaps = ctx.Value("i", 0), ctx.Value("i", 0)
+    trials = 150
+    for trial in range(trials):
+        folder = tmp_path / f"t{trial}"
+        folder.mkdir()
+        (folder / DirectoryLock.NAME).write_text(str(dead.pid))
+        barrier = ctx.Barrier(4)
+        procs = [ctx.Process(target=_contender, args=(folder, barrier, holders, overlaps)) for _ in range(4)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(30)
+    assert overlaps.value == 0, f"two holders at once in {overlaps.value} of {trials} trials"
+
+
+def test_a_file_size_limit_during_the_outputs_leaves_the_previous_set(tmp_path):
+    """The outputs are published as a set: with a file-size limit that the plots exceed, the folder
+    keeps the previous summary, plots and metrics, and the error is one line.
+    Bug caught: summary.md was replaced, then a plot was cut and metrics.json was the previous
+    comparison's."""
+    out = tmp_path / "cmp"
+    assert compare(out).returncode == 0
+    names = ["summary.md", "metrics.json", "eval_loss.png", "gap.png", "loss_scale.png"]
+    before = {n: (out / n).read_bytes() for n in names}
+    limit = 16_000
+    assert len(before["summary.md"]) < limit < max(len(before[n]) for n in names if n.endswith(".png"))
+    code = (
+        "import resource, signal, sys\n"
+        "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+        f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit}, {limit}))\n"
+        "from hf_lossscale.tools.cli import main\n"
+        "sys.exit(main(sys.argv[1:]))\n"
+    )
+    cmd = compare_cmd(out, "--reuse_finished")
+    proc = subprocess.run([sys.executable, "-c", code, *cmd[3:]], capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    err = proc.stderr.strip().splitlines()
+    assert len(err) == 1 and "File too large" in err[0] and "unchanged" in err[0], proc.stderr[-3000:]
+    assert {n: (out / n).read_bytes() for n in names} == before
+    assert not [p for p in out.iterdir() if p.name.startswith(".") and p.name != DirectoryLock.NAME]
+
+
+def test_outputs_are_readable_by_others(tmp_path):
+    """Bug caught: summary.md, metrics.json and run.json were created 0600 (mkstemp's mode)."""
+    from hf_lossscale.tools.files import atomic_write_text
+
+    old = os.umask(0o022)
+    try:
+        atomic_write_text(tmp_path / "a.json", "{}")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o644
