@@ -197,20 +197,22 @@ def test_reuse_reruns_when_an_input_changed(tmp_path, change):
     assert record["loss_scale_config"] == {"init_scale": 8.0}
 
 
-@pytest.mark.parametrize("bad", ["{not json", '{"command": [], "returncode": 0}', "[1, 2]"])
-def test_a_malformed_run_record_is_rerun_not_a_crash(tmp_path, bad):
+def test_a_malformed_run_record_is_rerun_not_a_crash(tmp_path):
     """Bug caught: a run.json lacking wall_s (or not an object) crashed the comparison."""
     out = tmp_path / "cmp"
     assert compare(out).returncode == 0
-    record_path = out / "runs" / "dynamic-seed0" / "run.json"
+    run_dir = out / "runs" / "dynamic-seed0"
+    record_path = run_dir / "run.json"
     record = json.loads(record_path.read_text())
-    if bad.startswith('{"command"'):
-        del record["wall_s"]
-        bad = json.dumps(record)
-    record_path.write_text(bad)
+    inputs = run_inputs(record["command"], {**os.environ}, own=run_dir)
+    for bad in ("{not json", "[1, 2]", "null", json.dumps({**record, "wall_s": "soon"})):
+        record_path.write_text(bad)
+        assert reuse_problem(run_dir, record["command"], inputs, 4).startswith("its run.json is unreadable")
+    del record["wall_s"]
+    record_path.write_text(json.dumps(record))
     again = compare(out, "--reuse_finished")
     assert again.returncode == 0, again.stderr[-2000:]
-    assert "[dynamic seed 0] rerunning: its run.json is unreadable" in again.stdout
+    assert "[dynamic seed 0] rerunning: its run.json is unreadable ('wall_s')" in again.stdout
 
 
 # ---------------------------------------------------------------------- 3. atomic lock and outputs
@@ -289,3 +291,174 @@ def test_outputs_are_readable_by_others(tmp_path):
     finally:
         os.umask(old)
     assert (tmp_path / "a.json").stat().st_mode & 0o777 == 0o644
+
+
+# ---------------------------------------------------------------------- 4. bounded, named errors
+BOMB = "\n".join(
+    [
+        'a: &a ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]',
+        *[f"{c}: &{c} [{','.join([f'*{p}'] * 9)}]" for p, c in zip("abcdefg", "bcdefgh")],
+        "init_scale: *h",
+    ]
+)
+
+
+def test_yaml_alias_bomb_and_dev_zero_are_refused_fast(tmp_path):
+    """Bug caught: 376 bytes of nested aliases cost 6 s and 610 MB, and the error quoted the expanded
+    value (312 million characters); `HF_LOSSSCALE_CONFIG=/dev/zero` read until a MemoryError."""
+    from hf_lossscale.core.config import config_from_env, read_config_file
+
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(BOMB)
+    assert len(BOMB) < 600
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="aliases expand to more than") as err:
+        config_from_env({"HF_LOSSSCALE_CONFIG": str(bomb)})
+    assert len(str(err.value)) < 500
+    with pytest.raises(ValueError, match="over 1048576 bytes"):
+        config_from_env({"HF_LOSSSCALE_CONFIG": "/dev/zero"})
+    recursive = tmp_path / "rec.yaml"
+    recursive.write_text("a: &a [*a]\n")
+    with pytest.raises(ValueError, match="bomb|recursive|Cannot parse"):
+        read_config_file(recursive)
+    assert time.monotonic() - t0 < 2
+
+
+def test_yaml_merge_override_is_yaml_not_a_duplicate(tmp_path):
+    """Bug caught: `<<: *d` then `hysteresis: 3` was refused as a duplicate key; a key given twice
+    outside a merge still is."""
+    from hf_lossscale.core.config import read_config_file
+
+    path = tmp_path / "c.yaml"
+    path.write_text("d: &d\n  init_scale: 8\n  hysteresis: 2\nloss_scale:\n  <<: *d\n  hysteresis: 3\n")
+    assert read_config_file(path)["loss_scale"] == {"init_scale": 8, "hysteresis": 3}
+    path.write_text("init_scale: 8\ninit_scale: 9\n")
+    with pytest.raises(ValueError, match="given twice"):
+        read_config_file(path)
+
+
+def test_a_blank_config_variable_is_refused_as_blank_field_variables_are():
+    from hf_lossscale.core.config import config_from_env
+
+    with pytest.raises(ValueError, match="HF_LOSSSCALE_CONFIG is set but empty"):
+        config_from_env({"HF_LOSSSCALE_CONFIG": ""})
+
+
+def test_quoted_values_in_compare_errors_are_capped(tmp_path):
+    """A megabyte of --settings is quoted in a few hundred characters."""
+    import argparse
+
+    from hf_lossscale.tools.compare import validate
+
+    opts = argparse.Namespace(settings="x" * 1_000_000, script=str(FAKE), seeds=[0], max_steps=1,
+                              static_scale=1.0, first_seed_only="", script_args=[])  # fmt: skip
+    with pytest.raises(SystemExit) as err:
+        validate(opts)
+    assert len(str(err.value)) < 1000 and "more characters" in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "content, cause",
+    [
+        (b"", "is empty"),
+        (b"\x00\x01\x02binary\xff\xfe", "NUL bytes"),
+        ("some text\nmore\n".encode("utf-16"), "UTF-16"),
+        (b"\n" * 500, "only blank lines"),
+        (b"caf\xe9 latin-1\n", "not UTF-8"),
+    ],
+    ids=["empty", "binary", "utf16", "blank", "latin1"],
+)
+def test_a_bad_train_file_is_named_with_its_cause(tmp_path, content, cause):
+    """Bug caught: an empty, binary or UTF-16 --train_file got datasets' DatasetGenerationError naming
+    neither the file nor the cause; 500 blank lines trained silently."""
+    from hf_lossscale.recipes.recipe_args import ModelArguments, load_raw_datasets
+
+    path = tmp_path / "train.txt"
+    path.write_bytes(content)
+    data = _data_args(path)
+    with pytest.raises(ValueError, match=cause) as err:
+        load_raw_datasets(data, ModelArguments(model_name_or_path="x", cache_dir=str(tmp_path / "cache")))
+    assert "train.txt" in str(err.value)
+
+
+def _data_args(path):
+    import argparse
+
+    return argparse.Namespace(dataset_name=None, train_file=str(path), validation_file=None,
+                              validation_split_percentage=5)  # fmt: skip
+
+
+def test_one_line_of_text_says_it_is_too_little(tmp_path):
+    """Bug caught: one line got sklearn's "the resulting train set will be empty"."""
+    from hf_lossscale.recipes.recipe_args import ModelArguments, load_raw_datasets
+
+    path = tmp_path / "train.txt"
+    path.write_text("just one line of text\n")
+    with pytest.raises(ValueError, match=r"train\.txt.*1 row\(s\): too few to hold out 5%"):
+        load_raw_datasets(
+            _data_args(path), ModelArguments(model_name_or_path="x", cache_dir=str(tmp_path / "c"))
+        )
+
+
+@pytest.mark.parametrize(
+    "line, match",
+    [("fp16: 2", "fp16=2 is not true or false"), ("model_name_or_path: {a: 1}", "is a dict"),
+     ("output_dir: [a, b]", "output_dir=\\['a', 'b'\\] is a list")],
+    ids=["fp16-int", "model-dict", "output-list"],
+)  # fmt: skip
+def test_recipe_config_values_of_the_wrong_kind_are_named(tmp_path, line, match):
+    """Bug caught: the recipe --config accepted `fp16: 2` and a dict for model_name_or_path, and a
+    list for output_dir ended in a bare TypeError."""
+    from transformers import TrainingArguments
+
+    from hf_lossscale.recipes.recipe_args import ModelArguments, make_parser, parse_args
+
+    path = tmp_path / "run.yaml"
+    path.write_text(line + "\n")
+    with pytest.raises(ValueError, match=f"run.yaml.*{match}"):
+        parse_args(make_parser(ModelArguments, TrainingArguments), ["--config", str(path), "--output_dir", "o",
+                                                                    "--model_name_or_path", "m"])  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "argv, flag",
+    [(["preflight", "--per_device_train_batch_size", "0"], "--per_device_train_batch_size"),
+     (["advise", "--steps", "-3"], "--steps")],
+    ids=["preflight-batch-0", "advise-steps-neg"],
+)  # fmt: skip
+def test_counts_of_zero_or_less_are_refused_by_name(argv, flag, capsys):
+    """Bug caught: `preflight --per_device_train_batch_size 0` raised ZeroDivisionError, `advise
+    --steps -3` said "Not enough text"."""
+    from hf_lossscale.tools.cli import main
+
+    with pytest.raises(SystemExit) as err:
+        main([*argv, "--model_name_or_path", "nowhere", "--train_file", "nothing.txt"])
+    assert err.value.code == 2
+    assert f"{flag} must be at least 1" in capsys.readouterr().err
+
+
+def test_report_after_a_resume_plots_the_steps_as_they_stand():
+    """Bug caught: `report` after a resume plotted the discarded attempt (steps 1..8, 6, 7, 8, 9..)."""
+    from hf_lossscale.tools.report import latest_attempt
+
+    def log(step, **kw):
+        return {"event": "log", "step": step, "loss": 1.0 / step, **kw}
+
+    events = [{"event": "run_start", "resumed": False}, *[log(s) for s in range(1, 9)],
+              {"event": "log", "step": 8, "eval_loss": 9.0},
+              {"event": "run_start", "resumed": True}, *[log(s, resumed=1) for s in range(6, 11)]]  # fmt: skip
+    kept = latest_attempt(events)
+    steps = [e["step"] for e in kept if e.get("event") == "log" and "loss" in e]
+    assert steps == list(range(1, 11))
+    assert all(e.get("resumed") == 1 for e in kept if e.get("event") == "log" and e["step"] >= 6)
+    assert not [e for e in kept if "eval_loss" in e]  # the discarded attempt's eval at step 8
+
+
+def test_reuse_help_says_one_comparison_per_folder():
+    """Bug caught: the --reuse_finished help described running seeds in parallel into one folder,
+    which the lock refuses."""
+    from hf_lossscale.tools.cli import make_parser
+
+    compare = make_parser()._subparsers._group_actions[0].choices["compare"]
+    text = next(a.help for a in compare._actions if a.dest == "reuse_finished")
+    assert "in parallel" not in text and "one comparison per OUTPUT_DIR" in text
