@@ -463,3 +463,58 @@ def test_sampler_stops_at_every_eos_id_trl_uses(tmp_path):
         assert len(c) == len(lp) and not stops & set(c[:-1]), c  # nothing after the first stop id
     cut = [c for c, f in zip(out["completion_ids"], first["completion_ids"]) if f[0] == other]
     assert cut and all(c == [other] for c in cut), cut
+
+
+def test_mismatch_reads_the_log_probabilities_trl_already_holds_without_a_second_forward(tmp_path):
+    """A rollout engine of its own (a frozen copy of the initial policy, as vLLM holds its own weights)
+    hands TRL its log-probabilities; TRL keeps them as `sampling_per_token_logps`, and the trainer reads
+    them against its training forward: the policy runs exactly one forward per micro-step (none
+    extra), every step has a `mismatch` event, and at step 1 (same weights, FP32) the two agree to
+    rounding. Bugs caught: a second forward to score the sampled tokens, the mismatch measured only
+    with our own `KVCacheSampler`, or TRL's held log-probabilities misaligned with the tokens."""
+    import copy
+
+    from datasets import Dataset
+
+    from hf_lossscale.integrations.grpo import FP16GRPOTrainer, KVCacheSampler
+    from hf_lossscale.integrations.trl_trainers import FP16GRPOConfig
+
+    model, tokenizer, prompts = tiny_policy(tmp_path, init=0.02)
+    engine, sampler = copy.deepcopy(model), KVCacheSampler("fp32")
+
+    def external_engine(batch, trainer):  # not a KVCacheSampler: the trainer knows nothing of it
+        own = trainer.model
+        trainer.model = engine
+        try:
+            return sampler(batch, trainer)
+        finally:
+            trainer.model = own
+
+    args = FP16GRPOConfig(output_dir=str(tmp_path / "out"), use_cpu=True, max_steps=3, per_device_train_batch_size=8,
+                          num_generations=4, max_completion_length=6, logging_steps=1, report_to=[],
+                          save_strategy="no", disable_tqdm=True, beta=0.0)  # fmt: skip
+    trainer = FP16GRPOTrainer(model=model, args=args, processing_class=tokenizer,
+                              train_dataset=Dataset.from_dict({"prompt": prompts * 4}),
+                              reward_funcs=lambda completions, **_: [float(len(c)) for c in completions],
+                              rollout_func=external_engine)  # fmt: skip
+    forwards = []
+    model.register_forward_pre_hook(lambda m, a: forwards.append(torch.is_grad_enabled()))
+    trainer.train()
+    events = [
+        json.loads(line) for line in (tmp_path / "out" / "loss_scale_log.jsonl").read_text().splitlines()
+    ]
+    rows = [e for e in events if e["event"] == "mismatch"]
+    assert forwards == [True] * 3 * trainer.current_gradient_accumulation_steps, forwards
+    assert [e["step"] for e in rows] == [1, 2, 3] and rows[0]["max_abs_dlogp"] < 1e-4, rows
+    assert next(e for e in events if e["event"] == "run_start")["rl"]["sampler"] is None
+
+
+def test_async_grpo_is_refused_with_a_clear_error():
+    """The pinned TRL ships AsyncGRPO (`trl.experimental.async_grpo`); under a loss scaler it is refused
+    with the reason and what to use instead. Bug caught: a silent subclass whose vLLM weight sync
+    advances on skipped steps."""
+    from hf_lossscale.integrations.grpo import FP16AsyncGRPOTrainer, async_grpo_available
+
+    assert async_grpo_available()
+    with pytest.raises(NotImplementedError, match="ships it .*weight sync.*Use FP16GRPOTrainer"):
+        FP16AsyncGRPOTrainer(model=None)

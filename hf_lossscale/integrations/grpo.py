@@ -51,6 +51,7 @@ __all__ = [
     "MISMATCH_BAND",
     "MISMATCH_FIGURES",
     "eos_token_ids",
+    "FP16AsyncGRPOTrainer",
 ]
 
 #: The truncated importance-sampling band: tokens whose probability ratio leaves it are counted.
@@ -562,3 +563,36 @@ class FP16GRPOTrainer(LossScaleMixin, GRPOTrainer):
                 "precision, or correct for it (TRL's importance sampling).",
                 stacklevel=2,
             )
+
+
+def async_grpo_available() -> bool:
+    """Whether the installed TRL ships `trl.experimental.async_grpo.AsyncGRPOTrainer` (TRL 1.16 does)."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("trl.experimental.async_grpo") is not None
+    except ModuleNotFoundError:
+        return False
+
+
+class FP16AsyncGRPOTrainer:
+    """Refused: TRL's `AsyncGRPOTrainer` under a loss scaler is not supported (yet).
+
+    TRL 1.16 ships it (`trl.experimental.async_grpo`), but it does not fit what makes `FP16GRPOTrainer`
+    hold: its rollouts come from a vLLM server that a callback feeds new weights every
+    `weight_sync_steps` optimizer steps (a skipped step would push unchanged weights and bump the
+    model version that its staleness accounting counts), and its loss runs on packed "tree" batches
+    with the server's `old_log_probs`, not on TRL's GRPO batches where the mismatch is read. Making it
+    skip-aware needs the weight push and version bump gated on applied steps and the mismatch read
+    from `old_log_probs`; neither can be tested without a vLLM server. Use `FP16GRPOTrainer` (with
+    `use_vllm=True` for a vLLM sampler), or TRL's AsyncGRPO in BF16/FP32 (its default is FP32, TRL #6774).
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        shipped = "ships it (trl.experimental.async_grpo)" if async_grpo_available() else "does not ship it"
+        raise NotImplementedError(
+            f"AsyncGRPO under a loss scaler is not supported: the installed TRL {shipped}, but its vLLM weight "
+            "sync and model version would advance on a skipped FP16 step, and its packed loss bypasses the "
+            "mismatch measurement. Use FP16GRPOTrainer (use_vllm=True for a vLLM sampler), or AsyncGRPOTrainer "
+            "without fp16=True."
+        )
