@@ -518,3 +518,29 @@ def test_async_grpo_is_refused_with_a_clear_error():
     assert async_grpo_available()
     with pytest.raises(NotImplementedError, match="ships it .*weight sync.*Use FP16GRPOTrainer"):
         FP16AsyncGRPOTrainer(model=None)
+
+
+def test_a_skipped_step_rolls_back_trls_adaptive_entropy_controller(tmp_path):
+    """TRL 1.16's adaptive entropy control (`use_adaptive_entropy`) moves its coefficient inside the
+    loss at the step boundary, before the scaler decides. With the entropy always under target (+0.01
+    a step) and an overflow at step 2 of 4, the coefficient after steps 1-4 is 0.01, 0.01, 0.02, 0.03
+    and the `grpo_skip` event says it was restored. Bug caught: the controller advancing on a step
+    that changed no weight (0.02 after the skip)."""
+    from hf_lossscale.integrations.compat import TRL_INSTANCE_INTERNALS
+
+    class Coef(TrainerCallback):
+        def __init__(self):
+            self.coefs, self.trainer = {}, None
+
+        def on_step_end(self, args, state, control, **kwargs):
+            self.coefs[state.global_step] = self.trainer.entropy_coef
+
+    coef = Coef()
+    trainer, events = grpo(tmp_path, callbacks=[InjectAndWatch(bad=2), coef], use_adaptive_entropy=True,
+                           entropy_coef=0.0, entropy_coef_delta=0.01, entropy_target=100.0)  # fmt: skip
+    for _, cls, attr in TRL_INSTANCE_INTERNALS:
+        assert hasattr(trainer, attr), (cls, attr)
+    assert trainer.loss_scaler.stats()["skipped_steps"] == 1
+    assert [round(coef.coefs[s], 6) for s in (1, 2, 3, 4)] == [0.01, 0.01, 0.02, 0.03], coef.coefs
+    (skip,) = [e for e in events if e["event"] == "grpo_skip"]
+    assert skip["entropy_coef_restored"] is True

@@ -73,6 +73,10 @@ TRL_INSTANCE_INTERNALS = [
     # GRPOTrainer's micro-step counter (which generation slice a micro-batch takes, when to
     # generate again): FP16GRPOTrainer rolls it back on a skipped step
     ("trl.trainer.grpo_trainer", "GRPOTrainer", "_step"),
+    # its adaptive entropy controller (TRL 1.16, `use_adaptive_entropy`), which moves inside
+    # `compute_loss` before a skip is known: FP16GRPOTrainer restores both on a skipped step
+    ("trl.trainer.grpo_trainer", "GRPOTrainer", "entropy_coef"),
+    ("trl.trainer.grpo_trainer", "GRPOTrainer", "_last_world_entropy"),
 ]
 
 

@@ -17,9 +17,10 @@ scaler to TRL's GRPO:
 - A skipped step advances nothing: the LR scheduler is not stepped (as for every `LossScaleMixin`
   trainer), the reference-model sync counts applied steps only (TRL's `SyncRefModelCallback` is
   replaced), and TRL's micro-step counter is rolled back so the retried step reuses its generation
-  batch where TRL would have. TRL's GRPO keeps no adaptive KL or entropy controller (`beta` is fixed,
-  `top_entropy_quantile` is a per-batch mask); a controller of your own can be a callback wrapped in
-  `AppliedStepsOnly`. `state.global_step` counts optimizer steps attempted, as in every Hugging Face
+  batch where TRL would have. TRL's adaptive entropy controller (`use_adaptive_entropy`, TRL 1.16)
+  is rolled back on a skipped step (its coefficient moves inside the loss, before the skip is known);
+  `beta` is fixed and `top_entropy_quantile` a per-batch mask; a controller of your own can be a
+  callback wrapped in `AppliedStepsOnly`. `state.global_step` counts optimizer steps attempted, as in every Hugging Face
   FP16 run (`max_steps`, logging and saving keep their meaning); each skip is a `grpo_skip` event.
 """
 
@@ -396,15 +397,23 @@ def _step_skipped(trainer: Any) -> bool:
     return trainer.loss_scaler is not None and bool(trainer.accelerator.optimizer_step_was_skipped)
 
 
+def _entropy_controller_state(trainer: Any) -> tuple[float, float] | None:
+    """TRL's adaptive entropy controller's state (coefficient, last measured entropy), when it runs."""
+    if not getattr(trainer, "use_adaptive_entropy", False):
+        return None
+    return trainer.entropy_coef, trainer._last_world_entropy
+
+
 class _GRPOStepCallback(TrainerCallback):
     """Per optimizer step: finish the step's mismatch figures; on a skipped step, roll back TRL's
-    micro-step counter and record what did not advance; on an applied step, run the reference-model
+    micro-step counter and its adaptive entropy controller, and record what did not advance; on an applied step, run the reference-model
     sync on TRL's schedule counted in applied steps."""
 
     def __init__(self, trainer: FP16GRPOTrainer) -> None:
         self.trainer = trainer
         self.applied_steps = 0
         self._resumed = False
+        self._entropy_state: tuple[float, float] | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
         t = self.trainer
@@ -427,6 +436,11 @@ class _GRPOStepCallback(TrainerCallback):
                 stacklevel=2,
             )
 
+    def on_step_begin(self, args, state, control, **kwargs):
+        # TRL 1.16's adaptive entropy controller (`use_adaptive_entropy`) moves its coefficient inside
+        # `compute_loss` at the step boundary, before the scaler knows whether the step is skipped
+        self._entropy_state = _entropy_controller_state(self.trainer)
+
     def on_step_end(self, args, state, control, **kwargs):
         t = self.trainer
         t._finish_mismatch_step(state.global_step)
@@ -441,10 +455,13 @@ class _GRPOStepCallback(TrainerCallback):
             accumulation = t.current_gradient_accumulation_steps
             # TRL's micro-step counter (private: compat.TRL_INSTANCE_INTERNALS): the retry reuses this step's slice
             t._step -= accumulation
+            entropy_restored = self._entropy_state is not None
+            if entropy_restored:  # the controller did not see an applied step: its update is undone
+                t.entropy_coef, t._last_world_entropy = self._entropy_state
             t.loss_scale_events.write({
                 "event": "grpo_skip", "step": state.global_step, "applied_steps": self.applied_steps,
                 "learning_rate": lr, "scheduler_steps": getattr(t.lr_scheduler, "last_epoch", None),
-                "trl_micro_step": t._step, "ref_model_synced": False,
+                "trl_micro_step": t._step, "ref_model_synced": False, "entropy_coef_restored": entropy_restored,
                 "loss_scale": t.loss_scaler.get_scale() if t.loss_scaler is not None else None,
             })  # fmt: skip
             return
