@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 
 from hf_lossscale.tools.files import DirectoryLock
-from hf_lossscale.tools.runner import reuse_problem, run_inputs
 
 ROOT = Path(__file__).resolve().parents[1]
 FAKE = ROOT / "tests" / "scripts" / "fake_train.py"
@@ -108,9 +107,9 @@ def test_a_folder_with_earlier_training_still_running_is_not_taken_over(tmp_path
     run_dir.mkdir(parents=True)
     orphan = subprocess.Popen(["sleep", "60"], start_new_session=True)
     try:
-        (run_dir / runner.PGID_FILE).write_text(str(orphan.pid))
+        (run_dir / ".hf_lossscale.pgid").write_text(str(orphan.pid))
         (run_dir / "loss_scale_log.jsonl").write_text("")
-        monkeypatch.setattr(runner, "EARLIER_RUNS_WAIT_S", 0.5)
+        monkeypatch.setattr(runner, "EARLIER_RUNS_WAIT_S", 0.5, raising=False)
         opts = argparse.Namespace(
             script=str(FAKE), settings=SETTINGS, seeds=[0], max_steps=4, output_dir=str(out),
             static_scale=2.0**24, fp16_on_cpu="emulate", launcher="python", launch_config=None,
@@ -136,40 +135,45 @@ def test_reuse_reruns_a_truncated_log_at_every_cut(tmp_path):
     run_dir = out / "runs" / "dynamic-seed0"
     log = run_dir / "loss_scale_log.jsonl"
     full = log.read_bytes()
+    lines = full.splitlines(keepends=True)
+    # End to end, both cuts the probe found: the run is rerun, saying why in one line, and the
+    # table holds the full run.
+    for keep in (
+        lambda line: b"run_end" not in line and b'"step": 4' not in line,  # the final eval cut
+        lambda line: b"run_end" not in line and b"eval_loss" not in line,
+    ):  # every eval cut
+        log.write_bytes(b"".join(line for line in lines if keep(line)))
+        again = compare(out, "--reuse_finished")
+        assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
+        assert "[dynamic seed 0] rerunning: its event log has no run_end (cut short)" in again.stdout
+        assert "[   fp32 seed 0] reusing the finished run" in again.stdout
+        assert log.read_bytes() == full
+        assert metrics(out)["dynamic"]["status"] == "ok"
+    # Every whole-line cut, and a cut inside each line: never reusable.
+    from hf_lossscale.tools.runner import reuse_problem, run_inputs
+
     record = json.loads((run_dir / "run.json").read_text())
     command, max_steps = record["command"], 4
     inputs = run_inputs(command, {**os.environ, "PYTHONUNBUFFERED": "1"}, own=run_dir)
     assert reuse_problem(run_dir, command, inputs, max_steps) is None
-    lines = full.splitlines(keepends=True)
     trials = 0
-    for cut in range(len(lines)):  # every whole-line cut, and a cut inside each line
+    for cut in range(len(lines)):
         for data in (b"".join(lines[:cut]), b"".join(lines[:cut]) + lines[cut][: len(lines[cut]) // 2]):
             log.write_bytes(data)
             assert reuse_problem(run_dir, command, inputs, max_steps) is not None, data
             trials += 1
     assert trials == 2 * len(lines)
-    # End to end: the run is rerun, saying why in one line, and the table holds the full run.
-    log.write_bytes(b"".join(line for line in lines if b"run_end" not in line and b"eval_loss" not in line))
-    again = compare(out, "--reuse_finished")
-    assert again.returncode == 0, again.stdout[-2000:] + again.stderr[-2000:]
-    assert "[dynamic seed 0] rerunning: its event log has no run_end (cut short)" in again.stdout
-    assert "[   fp32 seed 0] reusing the finished run" in again.stdout
-    assert log.read_bytes() == full
-    assert metrics(out)["dynamic"]["status"] == "ok"
 
 
 def test_a_fresh_run_that_exits_0_with_a_cut_log_is_not_ok(tmp_path):
-    """Exit 0 is not a finished run: the log must reach run_end at --max_steps."""
-    from hf_lossscale.tools.runner import _finish
-    from hf_lossscale.tools.runs import RunResult
-
-    log = tmp_path / "loss_scale_log.jsonl"
-    events = [{"event": "run_start"}, {"event": "log", "step": 1, "loss": 1.0},
-              {"event": "log", "step": 2, "eval_loss": 0.5}]  # fmt: skip
-    log.write_text("".join(json.dumps(e) + "\n" for e in events))
-    result = RunResult(setting="fp32", seed=0, output_dir=str(tmp_path), command=[], returncode=0)
-    assert _finish(result, log, tmp_path / "run.log", max_steps=4).status == "failed"
-    assert "no run_end" in result.error
+    """Exit 0 is not a finished run: the log must reach run_end at --max_steps. Bug caught: a run
+    that stopped at step 2 with exit 0 was in the table as ok, with its mid-run eval as final."""
+    out = tmp_path / "cmp"
+    proc = compare(out, script_args=["--stop_at", "2"])
+    assert proc.returncode == 1
+    assert "exit 0, but its event log has no run_end (cut short)" in proc.stderr
+    assert {r["status"] for r in metrics(out).values()} == {"failed"}
+    assert "Left out of every verdict" in (out / "summary.md").read_text()
 
 
 @pytest.mark.parametrize("change", ["config_file", "env"])
@@ -204,27 +208,33 @@ def test_a_malformed_run_record_is_rerun_not_a_crash(tmp_path):
     run_dir = out / "runs" / "dynamic-seed0"
     record_path = run_dir / "run.json"
     record = json.loads(record_path.read_text())
+    record_path.write_text(json.dumps({k: v for k, v in record.items() if k != "wall_s"}))
+    again = compare(out, "--reuse_finished")
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert "[dynamic seed 0] rerunning: its run.json is unreadable ('wall_s')" in again.stdout
+    from hf_lossscale.tools.runner import reuse_problem, run_inputs
+
+    record = json.loads(record_path.read_text())
     inputs = run_inputs(record["command"], {**os.environ}, own=run_dir)
     for bad in ("{not json", "[1, 2]", "null", json.dumps({**record, "wall_s": "soon"})):
         record_path.write_text(bad)
         assert reuse_problem(run_dir, record["command"], inputs, 4).startswith("its run.json is unreadable")
-    del record["wall_s"]
-    record_path.write_text(json.dumps(record))
-    again = compare(out, "--reuse_finished")
-    assert again.returncode == 0, again.stderr[-2000:]
-    assert "[dynamic seed 0] rerunning: its run.json is unreadable ('wall_s')" in again.stdout
 
 
 # ---------------------------------------------------------------------- 3. atomic lock and outputs
-def _contender(folder, barrier, holders, overlaps):
+CONTENDERS = 6
+
+
+def _contender(folder, barrier, holders, overlaps, jitter_s):
     barrier.wait()
+    time.sleep(jitter_s)  # spread the starts: some contender reads the stale owner while another links
     try:
         with DirectoryLock(folder):
             with holders.get_lock():
                 holders.value += 1
                 if holders.value > 1:
                     overlaps.value += 1
-            time.sleep(0.005)
+            time.sleep(0.03)
             with holders.get_lock():
                 holders.value -= 1
     except Exception:
@@ -232,7 +242,7 @@ def _contender(folder, barrier, holders, overlaps):
 
 
 def test_stale_lock_takeover_is_atomic(tmp_path):
-    """A lock left by a dead runner, four runners at once, many trials: never two holders.
+    """A lock left by a dead runner, six runners at once, many trials: never two holders.
     Bug caught: read owner, unlink, link is not atomic; two runners both held it in 29 of 300."""
     import multiprocessing
 
@@ -240,13 +250,14 @@ def test_stale_lock_takeover_is_atomic(tmp_path):
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait()
     holders, overlaps = ctx.Value("i", 0), ctx.Value("i", 0)
-    trials = 150
+    trials = int(os.environ.get("LOCK_TRIALS", 100))
     for trial in range(trials):
         folder = tmp_path / f"t{trial}"
         folder.mkdir()
         (folder / DirectoryLock.NAME).write_text(str(dead.pid))
-        barrier = ctx.Barrier(4)
-        procs = [ctx.Process(target=_contender, args=(folder, barrier, holders, overlaps)) for _ in range(4)]
+        barrier = ctx.Barrier(CONTENDERS)
+        procs = [ctx.Process(target=_contender, args=(folder, barrier, holders, overlaps, random.uniform(0, 0.003)))
+                 for _ in range(CONTENDERS)]  # fmt: skip
         for p in procs:
             p.start()
         for p in procs:
@@ -426,13 +437,18 @@ def test_recipe_config_values_of_the_wrong_kind_are_named(tmp_path, line, match)
      (["advise", "--steps", "-3"], "--steps")],
     ids=["preflight-batch-0", "advise-steps-neg"],
 )  # fmt: skip
-def test_counts_of_zero_or_less_are_refused_by_name(argv, flag, capsys):
+def test_counts_of_zero_or_less_are_refused_by_name(argv, flag, tmp_path, capsys):
     """Bug caught: `preflight --per_device_train_batch_size 0` raised ZeroDivisionError, `advise
-    --steps -3` said "Not enough text"."""
+    --steps -3` said "Not enough text" (on a real model and text: the error is the count's)."""
+    from tiny_models import save_tiny_bert
+
     from hf_lossscale.tools.cli import main
 
+    model = save_tiny_bert(tmp_path / "model")
+    text = tmp_path / "text.txt"
+    text.write_text("\n".join(f"a line of words number {i} for a tiny model to read" for i in range(200)))
     with pytest.raises(SystemExit) as err:
-        main([*argv, "--model_name_or_path", "nowhere", "--train_file", "nothing.txt"])
+        main([*argv, "--model_name_or_path", str(model), "--train_file", str(text), "--objective", "clm"])
     assert err.value.code == 2
     assert f"{flag} must be at least 1" in capsys.readouterr().err
 

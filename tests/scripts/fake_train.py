@@ -18,6 +18,7 @@ parser.add_argument("--max_steps", type=int, default=4)
 parser.add_argument("--config", default=None)
 parser.add_argument("--step_s", type=float, default=0.0)
 parser.add_argument("--spawn", action="store_true")
+parser.add_argument("--stop_at", type=int, default=None, help="Exit 0 after this step, without run_end.")
 parser.add_argument("--child", action="store_true")
 parser.add_argument("--fp16", action="store_true")
 parser.add_argument("--loss_scale_init", type=float, default=None)
@@ -68,6 +69,8 @@ for step in range(1, args.max_steps + 1):
                 "eval_loss": 1.0 / step + 0.01 * args.seed + (0.001 if args.fp16 else 0),
             }
         )
+    if step == args.stop_at:
+        sys.exit(0)
 end = {"event": "run_end", "step": args.max_steps}
 if args.fp16:
     end.update(total_steps=args.max_steps, skipped_steps=0, loss_scale=scale)
