@@ -3,7 +3,6 @@
 import copy
 import json
 import pickle
-from pathlib import Path
 
 import pytest
 import torch
@@ -81,28 +80,27 @@ def test_a_deep_copy_of_a_model_with_fp32_modules_runs_its_own_weights():
     assert "forward" not in model[0].__dict__ and fp32_module_names(model) == []
 
 
-def test_a_lock_file_is_never_seen_empty_and_a_second_lock_in_a_process_is_refused(tmp_path, monkeypatch):
+def test_a_lock_file_is_never_seen_empty_and_a_second_lock_in_a_process_is_refused(tmp_path):
     """Bug caught: the pid was written after the O_EXCL create, so a runner reading the empty file in
     between took the lock from a live owner; and a second lock in the same process re-entered, its
-    exit dropping the first's."""
+    exit dropping the first's. Since issue 47 the lock is an `flock`: what decides is the kernel's
+    lock, not the file's content, so another process is refused even while the file is empty."""
     import os
+    import subprocess
+    import sys
 
-    from hf_lossscale.tools import files
     from hf_lossscale.tools.files import DirectoryLock, LockedError
 
-    seen = []
-    real_link = os.link
-
-    def link_and_look(src, dst):
-        real_link(src, dst)
-        seen.append(Path(dst).read_text())  # what a second runner reads the moment the file exists
-
-    monkeypatch.setattr(files.os, "link", link_and_look)
+    other = [sys.executable, "-c", "import sys; from hf_lossscale.tools.files import DirectoryLock as L\n"
+             "try:\n    L(sys.argv[1]).__enter__()\nexcept Exception as e:\n    print(e)\n    sys.exit(3)",
+             str(tmp_path)]  # fmt: skip
     with DirectoryLock(tmp_path, what="first") as first:
-        assert seen == [str(os.getpid())]
+        assert first.path.read_text() == str(os.getpid())
+        first.path.write_text("")  # seen empty: still held
+        refused = subprocess.run(other, capture_output=True, text=True)
+        assert refused.returncode == 3 and "is in use" in refused.stdout, refused.stdout + refused.stderr
         with pytest.raises(LockedError, match="in this process"):
             DirectoryLock(tmp_path, what="second").__enter__()
-        assert first.path.read_text() == str(os.getpid())  # the refused one dropped nothing
     assert not (tmp_path / DirectoryLock.NAME).exists()
     (tmp_path / DirectoryLock.NAME).write_text("999999999")  # a dead owner's lock is taken over
     with DirectoryLock(tmp_path):

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     own, script_args = split_script_args(argv)
     parser = make_parser()
     opts = parser.parse_args(own)
-    _check_counts(parser, opts)
+    _check_counts(opts)
     if opts.command == "report":
         from .report import make_report
 
@@ -148,11 +148,11 @@ _COUNTS = {
 }  # fmt: skip
 
 
-def _check_counts(parser: argparse.ArgumentParser, opts: argparse.Namespace) -> None:
+def _check_counts(opts: argparse.Namespace) -> None:
     for name in _COUNTS.get(opts.command, ()):
         value = getattr(opts, name, None)
         if value is not None and value < 1:
-            parser.error(f"{opts.command} --{name} must be at least 1, got {value}.")
+            raise SystemExit(f"--{name} {value}: {opts.command} needs at least 1.")
 
 
 if __name__ == "__main__":

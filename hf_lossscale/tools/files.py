@@ -153,8 +153,9 @@ class DirectoryLock:
     _HELD: set[Path] = set()  # locks this process holds
 
     def _refuse(self, owner: int) -> LockedError:
+        who = f"process {owner}" if owner else "a process that is starting"
         return LockedError(
-            f"{self.path.parent} is in use by {self.what} (process {owner}, lock file {self.path}). "
+            f"{self.path.parent} is in use by {self.what} ({who}, lock file {self.path}). "
             "Wait for it to finish, or give this one another --output_dir; remove the lock file "
             "only if that process is gone."
         )
