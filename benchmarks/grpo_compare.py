@@ -34,6 +34,7 @@ RECIPE_ARGS = [
     "--disable_tqdm", "true", "--max_eval_prompts", "16",
 ]  # fmt: skip
 SETTINGS = ("fp32", "dynamic", "bf16")
+ADDITION_STEPS = 1500
 LABEL = {"fp32": "FP32", "dynamic": "FP16 + dynamic scaling", "bf16": "BF16"}
 #: per run: (key, what it is, lower is better)
 FIGURES = [
@@ -46,7 +47,29 @@ FIGURES = [
     ("mismatch_max", "max |Δ log p| (over the run)", True),
     ("outside_band", "tokens with ratio outside [0.9, 1.1] (mean over steps)", True),
     ("k3_kl", "k3 KL(sampler || trainer) (mean over steps)", True),
+    ("chi2_token", "chi2 per token, mean(r^2) - 1 (mean over steps)", True),
+    ("chi2_seq", "chi2 per sequence, mean(R^2) - 1 (mean over steps)", True),
+    ("log_ppl_abs_diff", "|log PPL_trainer - log PPL_sampler| per sequence (mean over steps)", True),
+    (
+        "pearson_probs",
+        "Pearson correlation of the sampler's and trainer's token probabilities (mean over steps)",
+        False,
+    ),
+    ("k3_drift", "k3 KL's least-squares slope per 100 steps over the run", True),
+    (
+        "reward_rise_last",
+        "reward's least-squares slope per 100 steps over the last quarter of the run",
+        False,
+    ),
 ]
+#: --task addition: n-digit sums from a 2-layer 64-wide GPT-2 over a 16-token digit vocabulary
+#: (`recipes/grpo.py --task addition`), an entropy bonus so that exploration outlives the first digits
+ADDITION_ARGS = [
+    "--task", "addition", "--addition_digits", "3", "--scratch_width", "64", "--max_completion_length", "4",
+    "--per_device_train_batch_size", "128", "--num_generations", "8", "--learning_rate", "3e-4",
+    "--lr_scheduler_type", "constant", "--entropy_coef", "0.02", "--beta", "0.0", "--report_to", "none",
+    "--save_strategy", "no", "--disable_tqdm", "true", "--max_eval_prompts", "256",
+]  # fmt: skip
 
 
 def run_figures(folder: Path) -> dict:
@@ -64,8 +87,19 @@ def run_figures(folder: Path) -> dict:
     reached = next((e["step"] for e in logs if e["reward"] >= 0.9), None)
 
     def mean(key):
-        values = [r[key] for r in rows if r[key] == r[key]]
+        values = [r[key] for r in rows if r.get(key) is not None and r[key] == r[key]]
         return statistics.fmean(values) if values else None
+
+    from hf_lossscale.integrations.grpo import MismatchDrift
+
+    drift, rise = MismatchDrift(), MismatchDrift()
+    for r in rows:
+        if r.get("k3_kl") is not None:
+            drift.update(r["step"], r["k3_kl"])
+    last = logs[len(logs) - len(logs) // 4 :]
+    for e in last:
+        rise.update(e["step"], e["reward"])
+    drift_summary, rise_summary = drift.summary(), rise.summary()
 
     return {
         "steps": len(logs),
@@ -78,6 +112,13 @@ def run_figures(folder: Path) -> dict:
         "mismatch_max": max((r["max_abs_dlogp"] for r in rows), default=None),
         "outside_band": mean("outside_band_frac"),
         "k3_kl": mean("k3_kl"),
+        "chi2_token": mean("chi2_token"),
+        "chi2_seq": mean("chi2_seq"),
+        "log_ppl_abs_diff": mean("log_ppl_abs_diff"),
+        "pearson_probs": mean("pearson_probs"),
+        "k3_drift": drift_summary["slope_per_100_steps"] if drift_summary else None,
+        "k3_drift_growing": drift_summary["growing"] if drift_summary else None,
+        "reward_rise_last": rise_summary["slope_per_100_steps"] if rise_summary else None,
         "skipped_steps": end.get("skipped_steps"),
         "total_steps": end.get("total_steps"),
         "mismatch_steps": len(rows),
@@ -157,16 +198,30 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--output_dir", default=str(ROOT / "runs" / "grpo-compare"))
+    parser.add_argument("--output_dir", default=None, help="Default: runs/grpo-compare (runs/grpo-addition).")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--max_steps", type=int, default=250)
+    parser.add_argument(
+        "--max_steps", type=int, default=None, help="Default: 250, or ADDITION_STEPS with --task addition."
+    )
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--summarize_only", action="store_true")
-    parser.add_argument("--results_name", default="grpo_cpu", help="Write results/grpo/<NAME>.json and .md.")
+    parser.add_argument("--results_name", default=None, help="Write results/grpo/<NAME>.json and .md "
+                        "(default: grpo_cpu, or grpo_addition_cpu with --task addition).")  # fmt: skip
+    parser.add_argument("--task", choices=["vocabulary", "addition"], default="vocabulary",
+                        help="vocabulary (saturates by step ~130) or addition (exact per-digit reward; does not).")  # fmt: skip
     opts = parser.parse_args(own)
+    if opts.output_dir is None:
+        opts.output_dir = str(
+            ROOT / "runs" / ("grpo-addition" if opts.task == "addition" else "grpo-compare")
+        )
+    if opts.results_name is None:
+        opts.results_name = "grpo_addition_cpu" if opts.task == "addition" else "grpo_cpu"
+    if opts.max_steps is None:
+        opts.max_steps = ADDITION_STEPS if opts.task == "addition" else 250
+    recipe_args = ADDITION_ARGS if opts.task == "addition" else RECIPE_ARGS
     command = ["compare", str(ROOT / "recipes" / "grpo.py"), "--settings", ",".join(SETTINGS),
                "--seeds", *map(str, opts.seeds), "--max_steps", str(opts.max_steps), "--jobs", str(opts.jobs),
-               "--no_flushed_probe", "--reuse_finished", "--output_dir", opts.output_dir, "--", *RECIPE_ARGS, *extra]  # fmt: skip
+               "--no_flushed_probe", "--reuse_finished", "--output_dir", opts.output_dir, "--", *recipe_args, *extra]  # fmt: skip
     kept = [a for a in own if a != "--summarize_only"]  # the command that made the runs
     shown = " ".join(["python benchmarks/grpo_compare.py", *kept, *(["--", *extra] if extra else [])])
     if not opts.summarize_only:

@@ -544,3 +544,48 @@ def test_a_skipped_step_rolls_back_trls_adaptive_entropy_controller(tmp_path):
     assert [round(coef.coefs[s], 6) for s in (1, 2, 3, 4)] == [0.01, 0.01, 0.02, 0.03], coef.coefs
     (skip,) = [e for e in events if e["event"] == "grpo_skip"]
     assert skip["entropy_coef_restored"] is True
+
+
+def test_addition_reward_is_exact_and_graded_by_digits_of_error():
+    """`123 + 456 = 579`, answers of up to 4 digits: the exact sum (with or without its leading zero)
+    scores 1; off by 1 scores 1 - log10(2)/4, off by 9 exactly 3/4, off by 99 exactly 1/2, off by 999
+    exactly 1/4; anything but 1-4 digit tokens scores 0; the accuracy reward is 1 only for the exact
+    sum. The held-out problems share no prompt with the training ones and every prompt has one length
+    in tokens. Bugs caught: the answer read with the prompt's digit count (off by one width), a
+    non-numeric or over-long completion rewarded, held-out problems seen in training."""
+    from hf_lossscale.recipes.grpo import AdditionExact, AdditionReward, addition_problems, digit_tokenizer
+
+    prompt = "1 2 3 + 4 5 6 ="
+    completions = ["0 5 7 9", "5 7 9", "5 8 0", "5 8 8", "6 7 8", "1 5 7 8", "5 7 + 9", "0 5 7 9 0", ""]
+    got = AdditionReward()(completions, prompts=[prompt] * len(completions))
+    expected = [1.0, 1.0, 1 - math.log10(2) / 4, 3 / 4, 1 / 2, 1 / 4, 0.0, 0.0, 0.0]
+    assert got == pytest.approx(expected)
+    assert AdditionExact()(completions, prompts=[prompt] * len(completions)) == [1.0, 1.0] + [0.0] * 7
+    assert AdditionReward()(["1 0 0 0"], prompts=["9 9 9 + 0 0 1 ="]) == [1.0]
+    train = addition_problems(3, 200, seed=1)
+    held = addition_problems(3, 50, seed=2, exclude=set(train))
+    assert len(set(train)) == 200 and len(held) == 50 and not set(train) & set(held)
+    tokenizer = digit_tokenizer()
+    lengths = {len(tokenizer(p, add_special_tokens=False)["input_ids"]) for p in train + held}
+    assert lengths == {8} and tokenizer.decode(tokenizer("0 5 7 9")["input_ids"]).split() == list("0579")
+
+
+def test_the_recipe_trains_the_addition_task(tmp_path, monkeypatch):
+    """`recipes/grpo.py --task addition` for 3 FP16 steps: digit-vocabulary policy, per-step rewards in
+    [0, 1] and the mismatch figures in the event log, held-out evaluation. Bug caught: the task not
+    wired (the vocabulary reward or MiniLM's tokenizer used), prompts of several lengths."""
+    from hf_lossscale.recipes.grpo import main
+
+    out = tmp_path / "out"
+    main(["--task", "addition", "--do_train", "--do_eval", "--output_dir", str(out), "--use_cpu", "true", "--fp16",
+          "--max_steps", "3", "--per_device_train_batch_size", "16", "--num_generations", "8",
+          "--max_completion_length", "4", "--scratch_width", "32", "--scratch_layers", "1", "--logging_steps", "1",
+          "--max_eval_prompts", "8", "--per_device_eval_batch_size", "16", "--beta", "0.0",
+          "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true"])  # fmt: skip
+    events = [json.loads(line) for line in (out / "loss_scale_log.jsonl").read_text().splitlines()]
+    logs = [e for e in events if e["event"] == "log" and "reward" in e and "loss" in e]
+    assert len(logs) == 3 and all(0.0 <= e["reward"] <= 1.0 for e in logs)
+    assert all("rewards/addition_reward/mean" in e and "rewards/addition_exact/mean" in e for e in logs)
+    assert [e["step"] for e in events if e["event"] == "mismatch"] == [1, 2, 3]
+    assert any("eval_reward" in e for e in events if e["event"] == "log")
+    assert (out / "initial-model" / "tokenizer.json").is_file()
