@@ -34,7 +34,7 @@ RECIPE_ARGS = [
     "--disable_tqdm", "true", "--max_eval_prompts", "16",
 ]  # fmt: skip
 SETTINGS = ("fp32", "dynamic", "bf16")
-ADDITION_STEPS = 1500
+ADDITION_STEPS = 1000
 LABEL = {"fp32": "FP32", "dynamic": "FP16 + dynamic scaling", "bf16": "BF16"}
 #: per run: (key, what it is, lower is better)
 FIGURES = [
@@ -200,6 +200,8 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--output_dir", default=None, help="Default: runs/grpo-compare (runs/grpo-addition).")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--settings", nargs="+", choices=SETTINGS, default=list(SETTINGS),
+                        help="Run these settings only (the table reads every finished run in --output_dir).")  # fmt: skip
     parser.add_argument(
         "--max_steps", type=int, default=None, help="Default: 250, or ADDITION_STEPS with --task addition."
     )
@@ -219,7 +221,7 @@ def main(argv=None) -> int:
     if opts.max_steps is None:
         opts.max_steps = ADDITION_STEPS if opts.task == "addition" else 250
     recipe_args = ADDITION_ARGS if opts.task == "addition" else RECIPE_ARGS
-    command = ["compare", str(ROOT / "recipes" / "grpo.py"), "--settings", ",".join(SETTINGS),
+    command = ["compare", str(ROOT / "recipes" / "grpo.py"), "--settings", ",".join(opts.settings),
                "--seeds", *map(str, opts.seeds), "--max_steps", str(opts.max_steps), "--jobs", str(opts.jobs),
                "--no_flushed_probe", "--reuse_finished", "--output_dir", opts.output_dir, "--", *recipe_args, *extra]  # fmt: skip
     kept = [a for a in own if a != "--summarize_only"]  # the command that made the runs
