@@ -12,7 +12,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import torch
 
 from hf_lossscale import fp16_emulation
+from hf_lossscale.tools.bf16 import cpu_name, native_fp16
 
 
 def make_model_and_batch(head: str, batch: int, seq: int, tiny: bool = False):
@@ -78,7 +78,8 @@ def run(
         "head": head,
         "batch": [batch, seq],
         "repeats": repeats,
-        "machine": f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "machine": f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "native_fp16": native_fp16("cpu")[1],
         "seconds": seconds,
         "emulated_over_fp32": seconds["emulated_fp16"] / seconds["fp32"],
     }

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import sys
 import time
@@ -36,6 +35,7 @@ import torch
 
 from hf_lossscale import DynamicLossScaler, LossScaleConfig
 from hf_lossscale.core.telemetry import GradientTelemetry
+from hf_lossscale.tools.bf16 import cpu_name
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from sync_count import count_reads  # noqa: E402  (the tests' host-read counter)
@@ -346,7 +346,7 @@ def setup(opts: argparse.Namespace, device: str, params) -> dict:
         "device": torch.cuda.get_device_name()
         if device == "cuda"
         else f"cpu ({torch.get_num_threads()} threads)",
-        "machine": platform.machine(),
+        "machine": cpu_name(),
         "torch": torch.__version__,
         "parameters": sum(p.numel() for p in params),
         "tensors": len(params),

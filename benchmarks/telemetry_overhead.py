@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 from hf_lossscale import DynamicLossScaler, fp16_emulation
 from hf_lossscale.core.config import LossScaleConfig
 from hf_lossscale.core.telemetry import GradientTelemetry
+from hf_lossscale.tools.bf16 import cpu_name
 
 
 def build(tiny: bool, batch: int, seq: int, device: str):
@@ -97,7 +97,7 @@ def main(argv=None):
     step_s, snap_s = statistics.median(steps), statistics.median(snaps)
     n_params = sum(p.numel() for p in model.parameters())
     result = {
-        "machine": platform.processor() or platform.machine(),
+        "machine": cpu_name(),
         "device": torch.cuda.get_device_name()
         if device == "cuda"
         else f"cpu ({torch.get_num_threads()} threads)",

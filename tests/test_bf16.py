@@ -79,3 +79,48 @@ def test_a_forced_bf16_comparison_runs_on_a_processor_held_to_avx2(tmp_path, mon
     assert "[   bf16 seed 0]" in captured.out or "bf16 seed 0" in captured.out
     row = next(line for line in (out / "summary.md").read_text().splitlines() if line.startswith("| BF16"))
     assert row.rstrip(" |").endswith("ok"), row  # the BF16 run finished, as BF16
+
+
+# ---------------------------------------------------------------- native FP16 (issue 48)
+@pytest.mark.parametrize(
+    "flags, capability, isa, native",
+    [
+        ({"avx2", "avx512f", "avx512_bf16"}, "AVX512", None, False),  # this AMD EPYC: BF16, no FP16
+        ({"avx2"}, "AVX2", None, False),
+        ({"avx512f", "avx512_fp16", "amx_tile", "amx_bf16"}, "AVX512", None, True),  # Sapphire Rapids
+        ({"avx512f", "avx512_fp16", "amx_fp16"}, "AVX512", None, True),  # Granite Rapids
+        ({"avx512f", "avx512_fp16"}, "AVX2", None, False),  # torch held to AVX2 kernels
+        ({"avx512f", "avx512_fp16"}, "AVX512", "AVX512_CORE_BF16", False),  # oneDNN held below FP16
+        ({"avx512f", "avx512_fp16"}, "AVX512", "AVX512_CORE_FP16", True),
+        ({"avx512f", "avx512_fp16", "amx_fp16"}, "AVX512", "AVX512_CORE_AMX", True),
+    ],
+)
+def test_native_fp16_follows_the_cpu_flags(monkeypatch, flags, capability, isa, native):
+    """The Xeon of issue 48 (AVX512-FP16 and AMX) computes FP16 natively; an EPYC with AVX512-BF16
+    does not (BF16 instructions are not FP16 ones)."""
+    from hf_lossscale.tools.bf16 import native_fp16
+
+    _cpu(monkeypatch, avx512_bf16="avx512_bf16" in flags, amx="amx_tile" in flags, capability=capability)
+    if isa:
+        monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", isa)
+    got, line = native_fp16(flags=flags)
+    assert got is native
+    assert line.endswith("native FP16") and (("no native" in line) is not native)
+    if "avx512_fp16" in flags:
+        assert "AVX512-FP16" in line
+
+
+def test_cpu_flags_and_name_read_proc_cpuinfo(tmp_path):
+    from hf_lossscale.tools.bf16 import cpu_flags, cpu_name, native_fp16
+
+    info = tmp_path / "cpuinfo"
+    info.write_text(
+        "processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\nflags\t\t: fpu avx2 avx512f avx512_fp16 "
+        "amx_tile amx_bf16\n\nprocessor\t: 1\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\n"
+    )
+    assert {"avx512_fp16", "amx_bf16"} <= cpu_flags(info) and "amx_fp16" not in cpu_flags(info)
+    assert cpu_name(info).startswith("Intel(R) Xeon(R) Platinum 8480+, ")
+    assert cpu_flags(tmp_path / "absent") == set()
+    # this machine: whatever it is, the answer is a line that names it as native or not
+    native, line = native_fp16("cpu")
+    assert isinstance(native, bool) and line.endswith("native FP16")

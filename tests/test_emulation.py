@@ -224,49 +224,71 @@ FIDELITY = _fidelity_module()
 
 def fidelity(arch, batch, seq):
     model = FIDELITY.build(arch)
-    return FIDELITY.cpu_fidelity(model, FIDELITY.text_batch(model, arch, batch, seq))
+    return FIDELITY.cpu_fidelity(model, FIDELITY.text_batch(model, arch, batch, seq), native=False)
 
 
-def check_fidelity(rows, arch):
+def check_fidelity(rows):
     for r in rows:
         print(
-            f"/{r['divisor']:<3} scale {r['scale']:>5g}: flushed emulated {r['flushed_emulated']:.4f} native "
-            f"{r['flushed_native']:.4f}; rel. grad error emulated {r['rel_err_emulated']:.4f} "
-            f"native {r['rel_err_native']:.4f}"
+            f"/{r['divisor']:<3} scale {r['scale']:>5g}: flushed emulated {r['flushed_emulated']:.4f} reference "
+            f"{r['flushed_reference']:.4f}; rel. grad error emulated {r['rel_err_emulated']:.4f} "
+            f"reference {r['rel_err_reference']:.4f}; emulated vs reference {r['emulated_vs_reference']:.4f}"
         )
-        assert abs(r["flushed_emulated"] - r["flushed_native"]) <= 0.005
-        close = abs(r["rel_err_emulated"] - r["rel_err_native"]) <= 0.1 * r["rel_err_native"] + 1e-6
-        if arch != "cls" or r["scale"] > 1.0:
-            assert close
-        else:
-            # See CLS_SUBNORMAL_GAP: unscaled, emulation shows less error than native, never more.
-            assert r["rel_err_emulated"] <= r["rel_err_native"] * 1.1 + 1e-6
-        assert r["overflow_emulated"] == r["overflow_native"]
-        assert abs(r["loss_emulated"] - r["loss_native"]) <= 1e-3 * abs(r["loss_fp32"])
+        assert abs(r["flushed_emulated"] - r["flushed_reference"]) <= 0.002
+        assert abs(r["rel_err_emulated"] - r["rel_err_reference"]) <= 0.1 * r["rel_err_reference"] + 1e-6
+        # The emulation rounds once per FP16 tensor where the reference rounds each op's output
+        # (gradients summed from several consumers, in-place backward), so they differ by a part of
+        # one rounding: the distance between them stays below the FP16 error itself, and once a
+        # scale keeps values normal, well below the sqrt(2) x that error that two computations
+        # rounding at different places would show (measured on an AMD EPYC, AVX512 and AVX2
+        # kernels: 0.06-0.83 of it unscaled, 0.19-0.51 at 2^8).
+        assert r["emulated_vs_reference"] <= r["rel_err_reference"] + 1e-6
+        if r["scale"] > 1.0:
+            assert r["emulated_vs_reference"] <= 0.7 * r["rel_err_reference"] + 1e-6
+        assert r["overflow_emulated"] == r["overflow_reference"]
+        assert abs(r["loss_emulated"] - r["loss_reference"]) <= 1e-4 * abs(r["loss_fp32"])
     # the comparison is not vacuous: without scaling, a /64 loss flushes a visible fraction
     assert max(r["flushed_emulated"] for r in rows if r["scale"] == 1.0) > 0.01
 
 
-# CLS_SUBNORMAL_GAP. Sequence classification, without loss scaling, is the one place where the
-# emulation's relative gradient error falls short of native CPU FP16's. Measured (2x32 tokens,
-# rel. error emulated / native): /1 0.0021 / 0.0023, /16 0.0191 / 0.0322, /64 0.0812 / 0.0974 at
-# scale 1, and 0.0018 / 0.0018-0.0019 at every divisor with scale 2^8; the flushed fractions agree
-# within 0.0005 everywhere. So the gap lives where the backward's values are FP16 subnormals (one
-# label per sequence makes cls gradients the smallest of the five models) and goes once a loss scale
-# lifts them into the normal range: native CPU half kernels lose more precision on subnormal
-# magnitudes than one rounding per op (not extra flushing: the zero counts agree). Which kernel has
-# not been found; the emulation is the optimistic side of it. The test checks the 10% criterion
-# wherever values are normal (every row of the LM heads, the scaled rows of cls) and, on cls's
-# unscaled rows, that the emulation never shows *more* error than native.
+# The fidelity test compares against `fp16_reference()` (benchmarks/emulation_fidelity.py): real CPU
+# autocast's casts, each op on FP16 inputs computed in FP32 and rounded once -- CUDA's semantics, the
+# same numbers on every x86 processor. It used to compare against native CPU FP16, which is a
+# different computation on different processors: on an Intel Xeon with AVX512-FP16 and AMX, t5's
+# relative gradient error read 0.0072 emulated against 0.0062 native (issue 48), and on MiniLM's
+# classification head the AMD EPYC's native kernels lost more on subnormal values than one
+# rounding per op (0.032 against the reference's 0.021 at /16). The reference has neither.
 @pytest.mark.parametrize(
     ("arch", "batch", "seq"),
     [("mlm", 2, 32), ("cls", 2, 32), ("gpt2", 2, 64), ("llama", 2, 64), ("t5", 2, 64)],
 )
-def test_fidelity_against_native_cpu_fp16(arch, batch, seq):
-    """Flushed fraction, relative gradient error, overflow and loss of policy="cpu" against native
-    CPU FP16, per architecture (Llama: RMSNorm with its FP32 upcast, rotary embeddings, SwiGLU,
-    grouped-query attention; T5: encoder-decoder with T5's RMS norm)."""
-    check_fidelity(fidelity(arch, batch, seq), arch)
+def test_fidelity_against_fp16_semantics(arch, batch, seq):
+    """Flushed fraction, relative gradient error, overflow and loss of policy="cpu" against the
+    semantic reference, and the distance between their gradients, per architecture (Llama: RMSNorm
+    with its FP32 upcast, rotary embeddings, SwiGLU, grouped-query attention; T5: encoder-decoder
+    with T5's RMS norm)."""
+    check_fidelity(fidelity(arch, batch, seq))
+
+
+def test_the_reference_is_fp16_by_its_semantics():
+    """The reference itself: real FP16 tensors where autocast casts, an FP32 product of FP16-rounded
+    inputs rounded once (an FP16 kernel accumulating in FP16 differs), and gradients of FP16 tensors
+    in FP16 (so they flush below 2^-24)."""
+    torch.manual_seed(0)
+    a = torch.randn(8, 512) * 0.1
+    b = torch.randn(512, 8) * 0.1
+    with FIDELITY.fp16_reference():
+        out = a @ b
+    assert out.dtype == torch.float16
+    assert torch.equal(out, (a.half().float() @ b.half().float()).half())
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    x = torch.full((1, 4), 1e-3)
+    with FIDELITY.fp16_reference():
+        (torch.nn.functional.linear(x, w).float().sum() * 1e-5).backward()
+    assert bool((w.grad == 0).all())  # 1e-8 in FP16: flushed
+    w.grad = None
+    (torch.nn.functional.linear(x, w).sum() * 1e-5).backward()
+    assert bool((w.grad != 0).all())  # the same in FP32: kept
 
 
 @pytest.mark.slow
@@ -275,7 +297,7 @@ def test_fidelity_against_native_cpu_fp16(arch, batch, seq):
     [("mlm", 4, 64), ("cls", 4, 64), ("gpt2", 4, 128), ("llama", 4, 128), ("t5", 4, 128)],
 )
 def test_fidelity_full_size(arch, batch, seq):
-    check_fidelity(fidelity(arch, batch, seq), arch)
+    check_fidelity(fidelity(arch, batch, seq))
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama", "t5"])
