@@ -241,3 +241,28 @@ def test_buckets_of_every_bit_pattern_match_the_exponent_field():
     assert got[_ZERO] == zeros and got[_BELOW] == int(expected[_BELOW]) - zeros
     got[_ZERO], got[_BELOW] = 0, int(expected[_BELOW])
     assert torch.equal(got, expected)
+
+
+def test_untouched_rows_are_told_from_zeros_in_touched_rows():
+    """An embedding's rows of tokens not in the batch are zero throughout; a zero among nonzero
+    values (what underflow leaves) is another thing. Bug caught (issue 48): one `zero_frac` of 0.52
+    on a healthy run, all of it untouched embedding rows."""
+    from hf_lossscale.core.telemetry import GradientTelemetry, untouched_elements
+
+    emb = torch.zeros(10, 4)
+    emb[2] = torch.tensor([1.0, 0.0, 2.0, 3.0])  # a touched row with one zero in it
+    emb[5] = 1.0
+    bias = torch.tensor([0.0, 1.0])  # 1-D: one row, touched; its zero is a touched zero
+    unused = torch.zeros(3)  # a parameter the forward did not use
+    assert int(untouched_elements(emb)) == 8 * 4 and int(untouched_elements(bias)) == 0
+    assert int(untouched_elements(unused)) == 3
+    telemetry = GradientTelemetry(interval=1)
+    telemetry.observe([("emb.weight", emb), ("emb.bias", bias), ("head.unused", unused)], iteration=0)
+    telemetry.end_iteration(0)
+    s = telemetry.read()
+    total = 40 + 2 + 3
+    assert s["zero_frac"] == (32 + 1 + 1 + 3) / total  # every zero, as before
+    assert s["untouched_frac"] == (32 + 3) / total
+    assert s["touched_zero_frac"] == 2 / total
+    assert s["per_module"]["emb"]["untouched_frac"] == 32 / 42
+    assert s["per_module"]["head"]["touched_zero_frac"] == 0.0

@@ -102,10 +102,16 @@ def _finite_amax(tensor: torch.Tensor) -> torch.Tensor:
     return torch.maximum(low.abs(), high.abs())
 
 
-def summarize_counts(counts: list[int] | torch.Tensor, amax: float | None = None) -> dict[str, Any]:
+def summarize_counts(
+    counts: list[int] | torch.Tensor, amax: float | None = None, untouched: int | None = None
+) -> dict[str, Any]:
     """Fractions from a histogram: zero, subnormal (0 < |x| < 2^-14, including below 2^-24),
     below 2^-24 (flushed in FP16), overflow (>= 2^16 or inf/NaN), and headroom in bits,
-    `log2(65504 / max|x|)` (negative: the largest value overflows FP16; -inf: inf/NaN present)."""
+    `log2(65504 / max|x|)` (negative: the largest value overflows FP16; -inf: inf/NaN present).
+
+    With `untouched` (elements in gradient rows that are zero throughout, see
+    `untouched_elements`): `untouched_frac`, and `touched_zero_frac`, the zeros in rows that did
+    receive a gradient -- where underflow shows; `zero_frac` is their sum."""
     counts = [int(c) for c in counts]
     total = max(sum(counts), 1)
     subnormal_buckets = [_BELOW, *range(bucket_index(MIN_EXP), bucket_index(-14))]
@@ -117,6 +123,9 @@ def summarize_counts(counts: list[int] | torch.Tensor, amax: float | None = None
         "overflow_frac": (counts[_OVER] + counts[_NONFINITE]) / total,
         "counts": counts,
     }
+    if untouched is not None:
+        out["untouched_frac"] = int(untouched) / total
+        out["touched_zero_frac"] = (counts[_ZERO] - int(untouched)) / total
     if amax is not None:
         out["max_abs"] = amax
         if not math.isfinite(amax):
@@ -124,6 +133,19 @@ def summarize_counts(counts: list[int] | torch.Tensor, amax: float | None = None
         else:
             out["headroom_bits"] = math.log2(FP16_MAX / amax) if amax > 0 else math.inf
     return out
+
+
+def untouched_elements(tensor: torch.Tensor) -> torch.Tensor:
+    """Elements of `tensor` in rows (slices along dim 0; the whole tensor when it has fewer than two
+    dims) that are zero throughout: an embedding row whose token was not in the batch, a parameter
+    the forward did not use. Such zeros say nothing about underflow. (A row that FP16 flushed in its
+    entirety counts here too; single flushed elements among nonzero ones do not.) A 0-d tensor on
+    the device: no sync."""
+    x = tensor.detach()
+    rows = x.reshape(x.shape[0], -1) if x.dim() >= 2 else x.reshape(1, -1)
+    if rows.numel() == 0:
+        return torch.zeros((), dtype=torch.int64, device=x.device)
+    return (torch.count_nonzero(rows, dim=1) == 0).sum() * rows.shape[1]
 
 
 _INDEX = re.compile(r"^\d+$")
@@ -170,10 +192,12 @@ class GradientTelemetry:
             key = module_key(name)
             if key not in self._pending:
                 zeros = torch.zeros(N_BUCKETS, dtype=torch.int64, device=grad.device)
-                self._pending[key] = [zeros, torch.zeros((), device=grad.device)]
-            counts, amax = self._pending[key]
+                untouched = torch.zeros((), dtype=torch.int64, device=grad.device)
+                self._pending[key] = [zeros, torch.zeros((), device=grad.device), untouched]
+            counts, amax, untouched = self._pending[key]
             bucket_counts(grad, out=counts)
             torch.maximum(amax, _finite_amax(grad).to(amax.device), out=amax)
+            untouched += untouched_elements(grad).to(untouched.device)
 
     def end_iteration(self, iteration: int) -> None:
         """Close the iteration's snapshot (the scaler calls it from `update()`)."""
@@ -182,17 +206,20 @@ class GradientTelemetry:
             self._pending, self._pending_step = {}, None
 
     def read(self, only_new: bool = False) -> dict[str, Any] | None:
-        """The last snapshot as Python values (one host sync): `step` (the iteration), the model's
-        `summarize_counts` figures, and `per_module`. `only_new=True`: None if already read."""
+        """The last snapshot as Python values (one host sync): `step` (the iteration it was measured
+        at), the model's `summarize_counts` figures (with `untouched_frac` and `touched_zero_frac`),
+        and `per_module`. `only_new=True`: None if already read."""
         if self._last is None or (only_new and self._read_step == self._last[0]):
             return None
         step, modules = self._last
         self._read_step = step
-        host = {k: (c.tolist(), float(a)) for k, (c, a) in modules.items()}
-        total = [sum(col) for col in zip(*(c for c, _ in host.values()), strict=True)]
-        out = summarize_counts(total, max(a for _, a in host.values()))
+        host = {k: (c.tolist(), float(a), int(u)) for k, (c, a, u) in modules.items()}
+        total = [sum(col) for col in zip(*(c for c, _, _ in host.values()), strict=True)]
+        out = summarize_counts(
+            total, max(a for _, a, _ in host.values()), sum(u for _, _, u in host.values())
+        )
         out["step"] = step
-        out["per_module"] = {k: summarize_counts(c, a) for k, (c, a) in host.items()}
+        out["per_module"] = {k: summarize_counts(c, a, u) for k, (c, a, u) in host.items()}
         return out
 
 

@@ -10,6 +10,9 @@ transformers' `TensorBoardCallback`, so they land in the same event file as `tra
   `loss_scale/grad_log2/<module>` per module;
 - `loss_scale/act_grad_log2` (and per module): the sampled FP16 activation gradients.
 
+Parameter-gradient histograms sit at the optimizer step the snapshot was measured at (the event
+log's `step`, the logs' `grad_telemetry_step`), which can be before the log step that read it.
+
 Zeros and inf/NaN have no place on a log axis: they are the `grad_zero_frac` / `overflow_rate`
 scalars. Values below 2^-24 (flushed in FP16) are counted in the bin `[-25, -24)`, values at or above
 2^16 in `[16, 17)`.
@@ -85,6 +88,8 @@ class LossScaleTensorBoardCallback(TrainerCallback):
             return
         for source, snapshot in snapshots.items():
             tag = self.TAGS[source]
+            # the step the snapshot was measured at (the event log's `step`), not the log's
+            step = snapshot.get("global_step", state.global_step)
             figures = {tag: snapshot["counts"]}
             figures.update(
                 {f"{tag}/{module}": s["counts"] for module, s in snapshot.get("per_module", {}).items()}
@@ -92,5 +97,5 @@ class LossScaleTensorBoardCallback(TrainerCallback):
             for name, counts in figures.items():
                 histogram = log2_histogram(counts)
                 if histogram is not None:
-                    writer.add_histogram_raw(name, global_step=state.global_step, **histogram)
+                    writer.add_histogram_raw(name, global_step=step, **histogram)
         writer.flush()
