@@ -7,21 +7,28 @@ scaler to TRL's GRPO:
 
 - `KVCacheSampler`, a `rollout_func` for `GRPOTrainer`: completions from `generate` with a KV cache
   (an inference path of its own, not the training forward), in a precision of its own (`"fp16"`,
-  `"bf16"`, `"fp32"`, or `"auto"`: the trainer's), with the sampled tokens' log-probabilities.
-- `FP16GRPOTrainer`: compares those log-probabilities with the trainer's for the same tokens, read
-  from the training forward itself (a forward hook; no extra pass): per optimizer step the mean,
-  p95 and max of |Δ log p|, the share of tokens whose probability ratio leaves [0.9, 1.1] (the
-  truncated importance-sampling band) and the k3 estimate of KL(sampler || trainer), in the Trainer's
-  logs (`mismatch/...`, so TensorBoard too) and the event log (a `mismatch` event per step).
-  `run_start` records both precisions; a warning says when they differ.
+  `"bf16"`, `"fp32"`, or `"auto"`: the trainer's). It samples with TRL's complete generation config
+  (the processors stored in the model's `generation_config` neutralised, as TRL does), reports the
+  log-probabilities of the distribution it sampled (the processed scores), and stops at every id in
+  TRL's `eos_token_ids`.
+- `FP16GRPOTrainer`: compares the sampler's log-probabilities (ours, vLLM's, or any `rollout_func`'s:
+  what TRL holds as `sampling_per_token_logps`) with the trainer's for the same tokens, read from the
+  training forward itself (a forward hook; no extra pass): per optimizer step the figures of
+  `MISMATCH_FIGURES` (|Δ log p| mean/p95/max, the share outside the [0.9, 1.1] band, KL direct and
+  k3, chi2 per token and per sequence, the log perplexity difference, the PPL ratio, the Pearson
+  correlation of the probabilities), in the Trainer's logs (`mismatch/...`, so TensorBoard too) and
+  the event log (a `mismatch` event per step), plus k3's drift per 100 steps (`MismatchDrift`), with
+  a warning when it grows. `run_start` records both precisions; a warning says when they differ.
 - A skipped step advances nothing: the LR scheduler is not stepped (as for every `LossScaleMixin`
   trainer), the reference-model sync counts applied steps only (TRL's `SyncRefModelCallback` is
   replaced), and TRL's micro-step counter is rolled back so the retried step reuses its generation
   batch where TRL would have. TRL's adaptive entropy controller (`use_adaptive_entropy`, TRL 1.16)
   is rolled back on a skipped step (its coefficient moves inside the loss, before the skip is known);
   `beta` is fixed and `top_entropy_quantile` a per-batch mask; a controller of your own can be a
-  callback wrapped in `AppliedStepsOnly`. `state.global_step` counts optimizer steps attempted, as in every Hugging Face
-  FP16 run (`max_steps`, logging and saving keep their meaning); each skip is a `grpo_skip` event.
+  callback wrapped in `AppliedStepsOnly`. `state.global_step` counts optimizer steps attempted, as
+  in every Hugging Face FP16 run (`max_steps`, logging and saving keep their meaning); each skip is a
+  `grpo_skip` event.
+- TRL's AsyncGRPO is refused (`FP16AsyncGRPOTrainer` says why).
 """
 
 from __future__ import annotations
