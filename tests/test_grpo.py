@@ -359,7 +359,7 @@ def sampler_trainer(tmp_path, model, tokenizer, **kw):
                            rollout_func=KVCacheSampler("fp32"))  # fmt: skip
 
 
-def tiny_policy(tmp_path, init=1.0):
+def tiny_policy(tmp_path, init=1.0, tied=True):
     """A 1-layer, 32-wide GPT-2 with MiniLM's vocabulary, its weights drawn with std `init` (1.0: a
     peaked policy, so that a repetition penalty moves its probabilities by ~0.3 nats, not ~1e-5), and
     eight 8-token prompts."""
@@ -373,7 +373,7 @@ def tiny_policy(tmp_path, init=1.0):
     config = GPT2Config(vocab_size=len(tokenizer), n_layer=1, n_embd=32, n_head=2, n_positions=64,
                         initializer_range=init, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
                         bos_token_id=tokenizer.cls_token_id, eos_token_id=tokenizer.sep_token_id,
-                        pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+                        pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=tied)  # fmt: skip
     model = GPT2LMHeadModel(config)
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     return model, tokenizer, prompts_from(corpus_text(None)[:5000], tokenizer, 8, 8)
@@ -589,3 +589,24 @@ def test_the_recipe_trains_the_addition_task(tmp_path, monkeypatch):
     assert [e["step"] for e in events if e["event"] == "mismatch"] == [1, 2, 3]
     assert any("eval_reward" in e for e in events if e["event"] == "log")
     assert (out / "initial-model" / "tokenizer.json").is_file()
+
+
+def test_the_sampler_keeps_trls_fp32_lm_head_under_autocast(tmp_path):
+    """`cast_lm_head_to_fp32=True` with a BF16 trainer: TRL computes the training log-probabilities in
+    FP32 (its fused head runs outside autocast) and casts the head's weights and inputs to FP32, but
+    under autocast `F.linear` runs in BF16 again, so the sampler's head must run with autocast off:
+    its logits come out FP32 while sampling, and the head's forward is TRL's again afterwards. Bug
+    caught: the sampler's head in BF16 against the trainer's FP32 head (the mismatch then measures the
+    cast: BF16's mean |Δ log p| 2.8x the uncast run's in benchmarks/grpo_lm_head_fp32.py)."""
+    model, tokenizer, prompts = tiny_policy(tmp_path, init=0.02, tied=False)
+    trainer = sampler_trainer(tmp_path, model, tokenizer, bf16=True, cast_lm_head_to_fp32=True)
+    trainer.rollout_func = type(trainer.rollout_func)("bf16")
+    head = trainer.accelerator.unwrap_model(trainer.model).lm_head
+    trl_forward = head.forward
+    dtypes = []
+    head.register_forward_hook(lambda m, a, out: dtypes.append(out.dtype))
+    trainer.rollout_func(prompts, trainer)
+    assert dtypes and set(dtypes) == {torch.float32}, dtypes
+    assert head.forward is trl_forward
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # what the sampler would get without the guard
+        assert head(torch.randn(2, head.in_features)).dtype == torch.bfloat16

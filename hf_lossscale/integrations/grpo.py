@@ -139,7 +139,7 @@ class KVCacheSampler:
         completion_ids: list[list[int]] = [[] for _ in encoded]
         logprobs: list[list[float]] = [[] for _ in encoded]
         try:
-            with plain_forward(model), self.context(trainer):
+            with plain_forward(model), self.context(trainer), _fp32_head(model, trainer):
                 for length in lengths:  # one generate per prompt length: no padding, positions as trained
                     rows = [i for i, ids in enumerate(encoded) if len(ids) == length]
                     ids, lps = self._generate(model, trainer, [encoded[i] for i in rows])
@@ -219,6 +219,34 @@ class KVCacheSampler:
                 "mismatch/ includes those processors as well as precision.",
                 stacklevel=3,
             )
+
+
+@contextlib.contextmanager
+def _fp32_head(model: Any, trainer: Any):
+    """With TRL's `cast_lm_head_to_fp32`, the head runs in FP32 while sampling too. TRL casts the head's
+    weights and inputs to FP32, but under autocast (BF16, or FP16 on a GPU) `F.linear` is cast back to
+    the autocast dtype; TRL's fused head computes the training log-probabilities outside autocast, so
+    without this the sampler's head alone would run in BF16/FP16 (measured: BF16's mean |Δ log p|
+    2.8x the uncast run's, `benchmarks/grpo_lm_head_fp32.py`)."""
+    head = getattr(model, "lm_head", None)
+    if not getattr(trainer.args, "cast_lm_head_to_fp32", False) or head is None:
+        yield
+        return
+    device = trainer.accelerator.device.type
+    inner, own = head.forward, "forward" in vars(head)  # TRL sets an instance attribute
+
+    def forward(*args, **kwargs):
+        with torch.autocast(device, enabled=False):
+            return inner(*args, **kwargs)
+
+    head.forward = forward
+    try:
+        yield
+    finally:
+        if own:
+            head.forward = inner
+        else:
+            del head.forward
 
 
 def eos_token_ids(trainer: Any) -> list[int]:
