@@ -1,15 +1,22 @@
 """The per-run JSONL event log that `LossScaleEventLogCallback` writes (`loss_scale_log.jsonl` in `output_dir`).
 
 One JSON object per line, with an `event` key: `run_start` (versions, precision, loss-scale config),
-`log` (every Trainer log: loss, eval metrics, `loss_scale`, `skipped_steps`, ...), `flushed_probe`
+`log` (every Trainer log: loss, eval metrics; training logs add `loss_scale`, `skipped_steps`, ...),
+`telemetry` (`step`: the optimizer step it was measured at; `log_step`: the log that read it), `flushed_probe`
 (`measure_flushed_fraction` at the start / end of training), `error` (the exception that stopped
 the run; `collapse` is true for a `LossScaleCollapseError`), `run_end` (the scaler's final stats).
 A resumed run appends to the same file. Importing this module needs no torch.
+
+Strict JSON: every line parses with a strict parser (`json.loads(..., parse_constant=...)` raising,
+JavaScript's `JSON.parse`, jq). A number that is not finite -- `headroom_bits` of a snapshot that
+held inf/NaN (-inf) or only zeros (+inf), a NaN loss, an infinite `grad_norm` -- is written as
+`null` (`strict_json`), never as `NaN` / `Infinity`; a null figure means "not finite".
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any
 
@@ -21,6 +28,7 @@ __all__ = [
     "read_events_counted",
     "read_new_events",
     "read_run_events",
+    "strict_json",
     "train_log_series",
 ]
 
@@ -86,6 +94,19 @@ def read_new_events(path: str | os.PathLike, offset: int) -> tuple[list[dict[str
     return [e for e in map(_parse, _complete_lines(data)) if e is not None], offset + end
 
 
+def strict_json(value: Any) -> Any:
+    """`value` with every non-finite float (NaN, +-inf), at any depth of dicts, lists and tuples,
+    replaced by None: what `json.dumps(..., allow_nan=False)` accepts and writes as `null`. Other
+    values are returned as they are (the same object when nothing changed)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: strict_json(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [strict_json(v) for v in value]
+    return value
+
+
 def append_event(path: str | os.PathLike, event: dict[str, Any]) -> None:
     """Append one JSON line; when the file does not end with a newline (a crash cut its last line), the
     event starts a fresh line, so the cut line stays one unreadable line and the new one reads."""
@@ -95,7 +116,7 @@ def append_event(path: str | os.PathLike, event: dict[str, Any]) -> None:
         if f.tell() > 0:
             f.seek(-1, os.SEEK_END)
             prefix = b"" if f.read(1) == b"\n" else b"\n"
-        f.write(prefix + (json.dumps(event) + "\n").encode("utf-8"))
+        f.write(prefix + (json.dumps(strict_json(event), allow_nan=False) + "\n").encode("utf-8"))
 
 
 def train_log_series(events: list[dict[str, Any]]) -> dict[str, list[Any]]:

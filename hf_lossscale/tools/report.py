@@ -103,6 +103,16 @@ def _at_or_after(event: dict[str, Any], step: float) -> bool:
         return False
 
 
+def _bits(value: float | None) -> str:
+    """headroom_bits for the page: the event log writes a non-finite figure as null (-inf: the snapshot
+    held inf/NaN; +inf: only zeros)."""
+    return "n/a (not finite)" if value is None else f"{value:.1f}"
+
+
+def _bits_key(value: float | None) -> float:
+    return -math.inf if value is None else value
+
+
 _GRAD_KEYS = ("zero_frac", "subnormal_frac", "below_fp16_frac", "headroom_bits", "per_module")
 _ACT_KEYS = ("lost_frac", "headroom_bits")
 
@@ -200,21 +210,23 @@ def make_report(run_dir: str | Path, output_dir: str | Path | None = None) -> di
             "",
             f"Scaled parameter gradients: zero {last['zero_frac']:.2%}, subnormal in FP16 (< 2^-14) "
             f"{last['subnormal_frac']:.2%}, below 2^-24 {last['below_fp16_frac']:.2%}, headroom "
-            f"{last['headroom_bits']:.1f} bits. Zeros include what FP16 already flushed (see the notes in "
+            f"{_bits(last['headroom_bits'])} bits. Zeros include what FP16 already flushed (see the notes in "
             "`hf_lossscale.core.telemetry`).",
             "",
             "| module | zero | subnormal | headroom (bits) |",
             "|---|---|---|---|",
         ]
-        modules = sorted(last["per_module"].items(), key=lambda kv: kv[1].get("headroom_bits", math.inf))
+        modules = sorted(
+            last["per_module"].items(), key=lambda kv: _bits_key(kv[1].get("headroom_bits", math.inf))
+        )
         for name, m in modules:
             lines.append(
-                f"| {name} | {m['zero_frac']:.2%} | {m['subnormal_frac']:.2%} | {m.get('headroom_bits', math.nan):.1f} |"
+                f"| {name} | {m['zero_frac']:.2%} | {m['subnormal_frac']:.2%} | {_bits(m.get('headroom_bits', math.nan))} |"
             )
     if acts:
         last = acts[-1]
         lines += ["", f"Activation gradients (sampled, step {last['step']}): lost (zero or < 2^-24) "
-                  f"{last['lost_frac']:.2%}; headroom {last['headroom_bits']:.1f} bits."]  # fmt: skip
+                  f"{last['lost_frac']:.2%}; headroom {_bits(last['headroom_bits'])} bits."]  # fmt: skip
     if overflows:
         lines += ["", "## Skipped steps diagnosed", ""]
         for e in overflows:
