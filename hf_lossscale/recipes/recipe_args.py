@@ -102,7 +102,8 @@ def _config_value(path: str, name: str, action: argparse.Action, value: Any) -> 
     where = f"Recipe config file {path!r}: {name}={_shown(value)}"
     kind = action.type
     if isinstance(value, (dict, list)):
-        raise ValueError(f"{where} is a {type(value).__name__}; {name} takes a single value.")
+        what = "not a number" if kind in (int, float) else f"a {type(value).__name__}"
+        raise ValueError(f"{where} is {what}; {name} takes a single value.")
     is_bool = getattr(kind, "__name__", "") == "string_to_bool" or isinstance(action.const, bool)
     if is_bool and not isinstance(value, (bool, str)):
         raise ValueError(f"{where} is not true or false.")
