@@ -242,7 +242,13 @@ def main(argv: list[str], prog: str = "hf-lossscale compare") -> int:
     opts = parser.parse_args(own)
     opts.script_args = script_args
     opts.command_line = shlex.join([*prog.split(), *argv])
-    results, _ = run_comparison(opts)
+    try:
+        results, _ = run_comparison(opts)
+    except OSError as err:  # a run's log or record on a full disk: one line, not a traceback
+        line = disk_error(err, "the comparison's files", opts.output_dir, kept=False)
+        if line is None:
+            raise
+        raise SystemExit(line) from None
     return 1 if any(r.status == "failed" for r in results) else 0
 
 

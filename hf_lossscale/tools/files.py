@@ -121,11 +121,13 @@ def _signals_held():
 NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
 
 
-def disk_error(err: OSError, what: str, where: str | os.PathLike) -> str | None:
-    """One line for a write that failed for lack of room, or None for any other error."""
+def disk_error(err: OSError, what: str, where: str | os.PathLike, *, kept: bool = True) -> str | None:
+    """One line for a write that failed for lack of room, or None for any other error (`kept`: the
+    write was staged, so the previous files are unchanged, and the line says so)."""
     if err.errno not in NO_SPACE:
         return None
-    return f"Could not write {what} to {where}: {os.strerror(err.errno)}; the previous files there are unchanged."
+    tail = "; the previous files there are unchanged." if kept else "."
+    return f"Could not write {what} to {where}: {os.strerror(err.errno)}{tail}"
 
 
 class LockedError(RuntimeError):
