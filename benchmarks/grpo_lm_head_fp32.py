@@ -68,11 +68,12 @@ def main(argv=None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--precisions", nargs="+", choices=["fp16", "bf16"], default=["fp16", "bf16"])
     opts = parser.parse_args(argv)
     os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for precision in ("fp16", "bf16"):
+        for precision in opts.precisions:
             for cast in (False, True):
                 rows.append(run(precision, cast, opts.steps, Path(tmp) / f"{precision}-{cast}"))
     keys = list(rows[0])
