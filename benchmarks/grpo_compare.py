@@ -151,13 +151,16 @@ def _fmt(x) -> str:
 def render(result: dict) -> str:
     runs = result["runs"]
     lines = [f"Command: `{result['command']}`", "", f"Machine: {result['machine']}.", ""]
-    head = ["setting", "seed", *[k for k, _, _ in FIGURES], "skipped steps"]
+    head = ["setting", "seed", *[k for k, _, _ in FIGURES], "k3 growing", "skipped steps"]
     lines += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in sorted(runs, key=lambda r: (SETTINGS.index(r["setting"]), r["seed"])):
         cells = [LABEL[r["setting"]], str(r["seed"]), *[_fmt(r[k]) for k, _, _ in FIGURES],
+                 {True: "yes", False: "no"}.get(r.get("k3_drift_growing"), "—"),
                  "—" if r["setting"] != "dynamic" else f"{r['skipped_steps'] or 0}/{r['total_steps']}"]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", "Figures: " + "; ".join(f"`{k}` = {what}" for k, what, _ in FIGURES) + ".", ""]
+    lines += ["", "Figures: " + "; ".join(f"`{k}` = {what}" for k, what, _ in FIGURES)
+              + "; `k3 growing` = MismatchDrift's verdict over the run (a slope at 3 standard errors whose fitted "
+              "line at least doubles).", ""]  # fmt: skip
     lines += ["Paired verdicts (gap per seed in seed order, mean, 95% t-interval over 3 seeds):", ""]
     lines += ["| figure | comparison | gaps | mean | 95% interval | verdict |", "|---|---|---|---|---|---|"]
     for key, _, _ in FIGURES:
