@@ -105,7 +105,9 @@ def test_a_folder_with_earlier_training_still_running_is_not_taken_over(tmp_path
     out = tmp_path / "cmp"
     run_dir = out / "runs" / "fp32-seed0"
     run_dir.mkdir(parents=True)
-    orphan = subprocess.Popen(["sleep", "60"], start_new_session=True)
+    # a stand-in for the dead runner's training, writing in the run's folder
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)", "--output_dir", str(run_dir)],
+                              start_new_session=True)  # fmt: skip
     try:
         (run_dir / ".hf_lossscale.pgid").write_text(str(orphan.pid))
         (run_dir / "loss_scale_log.jsonl").write_text("")
@@ -119,6 +121,13 @@ def test_a_folder_with_earlier_training_still_running_is_not_taken_over(tmp_path
         with pytest.raises(SystemExit, match=f"still runs.*process group {orphan.pid}"):
             compare_mod.run_comparison(opts)
         assert (run_dir / "loss_scale_log.jsonl").exists()  # not deleted under it
+        unrelated = subprocess.Popen(["sleep", "60"], start_new_session=True)  # a recycled process id
+        try:
+            (run_dir / ".hf_lossscale.pgid").write_text(str(unrelated.pid))
+            assert runner.live_run_group(run_dir) is None
+        finally:
+            unrelated.kill()
+            unrelated.wait()
     finally:
         orphan.kill()
         orphan.wait()

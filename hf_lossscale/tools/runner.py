@@ -166,10 +166,14 @@ def _write_pgid(run_dir: Path, pgid: int) -> None:
 
 
 def live_run_group(run_dir: Path) -> int | None:
-    """The process group of an earlier run in `run_dir` that still has a live process, else None."""
+    """The process group of an earlier run in `run_dir` that still has a live process, else None.
+    Where `/proc` shows the group's members, one must name the run's folder (a recycled process id
+    is not mistaken for the run)."""
     try:
         pgid = int((run_dir / PGID_FILE).read_text().strip())
     except (OSError, ValueError):
+        return None
+    if pgid <= 1:
         return None
     try:
         os.killpg(pgid, 0)
@@ -177,7 +181,20 @@ def live_run_group(run_dir: Path) -> int | None:
         return None
     except PermissionError:
         return pgid
-    return pgid if pgid > 1 else None
+    proc = Path("/proc")
+    if not (proc / "self" / "stat").exists():
+        return pgid
+    marker = f"{run_dir.parent.name}/{run_dir.name}".encode()
+    for entry in proc.iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[2]) == pgid and marker in (entry / "cmdline").read_bytes():
+                return pgid
+        except (OSError, ValueError, IndexError):
+            continue
+    return None
 
 
 #: How long a runner waits for an earlier runner's training to end (its watcher's grace, and more).
