@@ -460,21 +460,25 @@ def test_counts_of_zero_or_less_are_refused_by_name(argv, flag, tmp_path):
         main([*argv, "--model_name_or_path", str(model), "--train_file", str(text), "--objective", "clm"])
 
 
-def test_report_after_a_resume_plots_the_steps_as_they_stand():
+def test_report_after_a_resume_plots_the_steps_as_they_stand(tmp_path, monkeypatch):
     """Bug caught: `report` after a resume plotted the discarded attempt (steps 1..8, 6, 7, 8, 9..)."""
-    from hf_lossscale.tools.report import latest_attempt
+    from hf_lossscale.tools import report
 
     def log(step, **kw):
         return {"event": "log", "step": step, "loss": 1.0 / step, **kw}
 
     events = [{"event": "run_start", "resumed": False}, *[log(s) for s in range(1, 9)],
               {"event": "log", "step": 8, "eval_loss": 9.0},
-              {"event": "run_start", "resumed": True}, *[log(s, resumed=1) for s in range(6, 11)]]  # fmt: skip
-    kept = latest_attempt(events)
-    steps = [e["step"] for e in kept if e.get("event") == "log" and "loss" in e]
-    assert steps == list(range(1, 11))
-    assert all(e.get("resumed") == 1 for e in kept if e.get("event") == "log" and e["step"] >= 6)
-    assert not [e for e in kept if "eval_loss" in e]  # the discarded attempt's eval at step 8
+              {"event": "run_start", "resumed": True}, *[log(s, resumed=1) for s in range(6, 11)],
+              {"event": "log", "step": 10, "eval_loss": 1.0}]  # fmt: skip
+    (tmp_path / "loss_scale_log.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events))
+    plotted = []
+    real = report.plot_scale
+    monkeypatch.setattr(
+        report, "plot_scale", lambda ax, steps, *a, **k: plotted.append(steps) or real(ax, steps, *a, **k)
+    )
+    report.make_report(tmp_path)
+    assert plotted == [list(range(1, 11))]
 
 
 def test_reuse_help_says_one_comparison_per_folder():
