@@ -171,15 +171,53 @@ def test_no_global_patching():
     )
 
 
-def test_grad_scaler_kwargs_are_not_silently_dropped():
+def test_grad_scaler_kwargs_seed_the_config_and_explicit_settings_win(monkeypatch):
+    """Accelerate's own handler is honoured (issue 48): `GradScalerKwargs(init_scale=1024,
+    growth_interval=10, backoff_factor=0.25)` gives a scaler with those, one line saying so; a field the
+    loss-scale config sets itself (here through HF_LOSSSCALE_BACKOFF_FACTOR) wins and is named.
+    Bug caught: our defaults (65536 / 2000 / 0.5) replacing the user's handler."""
     from accelerate.utils import GradScalerKwargs
 
-    acc = Accelerator(mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=1024.0)])
-    with pytest.warns(UserWarning, match="GradScalerKwargs"):
-        install_loss_scaler(acc)
-    with warnings.catch_warnings():
+    kwargs = GradScalerKwargs(init_scale=1024.0, growth_interval=10, backoff_factor=0.25)
+    acc = Accelerator(mixed_precision="fp16", kwargs_handlers=[kwargs])
+    with pytest.warns(
+        UserWarning, match=r"GradScalerKwargs taken: init_scale=1024.0, backoff_factor=0.25, growth"
+    ):
+        scaler = install_loss_scaler(acc)
+    assert (scaler.config.init_scale, scaler.config.growth_interval, scaler.config.backoff_factor) == (
+        1024,
+        10,
+        0.25,
+    )
+    monkeypatch.setenv("HF_LOSSSCALE_BACKOFF_FACTOR", "0.125")
+    with pytest.warns(
+        UserWarning, match=r"config wins for: backoff_factor \(GradScalerKwargs 0.25, config 0.125\)"
+    ):
+        scaler = install_loss_scaler(acc)
+    assert (scaler.config.init_scale, scaler.config.backoff_factor) == (1024, 0.125)
+    monkeypatch.delenv("HF_LOSSSCALE_BACKOFF_FACTOR")
+    with warnings.catch_warnings():  # the same values given twice: nothing to say about them
         warnings.simplefilter("error")
-        install_loss_scaler(acc, LossScaleConfig(init_scale=1024.0))
+        install_loss_scaler(
+            Accelerator(mixed_precision="fp16", kwargs_handlers=[GradScalerKwargs(init_scale=1024.0)]),
+            LossScaleConfig(init_scale=1024.0),
+        )
+
+
+def test_torch_signature_builds_the_same_scaler():
+    """torch's positional call `GradScaler("cuda", 2.**16, 2.0, 0.5, 2000, True)` and
+    `GradScaler("cuda", enabled=False)` work on ours (issue 48); before, `TypeError: config must be a
+    LossScaleConfig, got str`."""
+    a = DynamicLossScaler("cpu", 2.0**12, 4.0, 0.25, 7, True)
+    assert (a.config.init_scale, a.config.growth_factor, a.config.backoff_factor, a.config.growth_interval) == (
+        2.0**12, 4.0, 0.25, 7,
+    )  # fmt: skip
+    assert a.device == torch.device("cpu") and a.is_enabled()
+    assert not DynamicLossScaler("cuda", enabled=False).is_enabled()  # off: no CUDA needed
+    assert DynamicLossScaler(init_scale=8.0, device="cpu").config.init_scale == 8.0
+    assert DynamicLossScaler(LossScaleConfig(min_scale=4.0), 64.0).config.min_scale == 4.0
+    with pytest.raises(TypeError, match="multiple values|twice"):
+        DynamicLossScaler("cpu", 8.0, init_scale=16.0)
 
 
 def test_scaler_type():

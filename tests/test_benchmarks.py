@@ -231,21 +231,23 @@ def test_op_count_table_is_exact():
     rows, variants = op_count.table()
     got = {r["row"]: (r["torch"], r["ours"]) for r in rows}
     assert got == {
-        "clean step, fused AdamW, no clip": (9, 12),
-        "clean step, fused AdamW, clip": (18, 21),
-        "clean step, foreach AdamW, no clip": (10, 10),
-        "clean step, foreach AdamW, clip": (18, 21),
+        "clean step, fused AdamW, no clip": (9, 14),
+        "clean step, fused AdamW, clip": (18, 23),
+        "clean step, foreach AdamW, no clip": (10, 11),
+        "clean step, foreach AdamW, clip": (18, 22),
         "around a skipped step (beyond two clean steps), fused, no clip": (0, 3),
         "around a skipped step (beyond two clean steps), fused, clip": (0, 2),
         "around a skipped step (beyond two clean steps), foreach, no clip": (0, 7),
         "around a skipped step (beyond two clean steps), foreach, clip": (0, 5),
     }
-    for row, (torch_ops, ours) in got.items():  # issue 28: a clean step within 4 ops of torch's
-        assert ours <= torch_ops + (7 if row.startswith("around") else 4), row
+    # issue 28: a clean step within 4 ops of torch's; issue 45 added one in `scale` (the loss poisons its
+    # own gradients) and one in the fused `update` (a non-finite loss counts where its gradients skipped)
+    for row, (torch_ops, ours) in got.items():
+        assert ours <= torch_ops + (7 if row.startswith("around") else 5), row
     assert variants == {
-        "ours, min/max scale": 12,
-        "ours, hysteresis 2": 37,
-        "ours, telemetry every step": 654,
+        "ours, min/max scale": 14,
+        "ours, hysteresis 2": 39,
+        "ours, telemetry every step": 857,
     }
 
 

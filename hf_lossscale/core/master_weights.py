@@ -2,168 +2,586 @@
 
 A model held in FP16 (loaded in its checkpoint's dtype, or cast with `.half()` for memory) runs its
 forward and backward in FP16; the optimizer steps on FP32 copies of its trainable FP16 parameters
-(the masters), and the FP16 weights are written from them after each step:
+(the masters), and the FP16 weights are written from them after each step. Everything a user does
+with FP32 weights then gives the same run, or an error that says why not.
 
-- `attach(optimizer)` replaces, in the optimizer's parameter groups, each trainable FP16 parameter
-  by its FP32 master (before the optimizer's first step: its state is then made in FP32). Frozen
-  parameters (a PEFT base) get no copy and cost no memory; FP32 parameters (a classifier head,
-  `_keep_in_fp32_modules`) stay as they are.
-- `gather(optimizer)`: each FP16 gradient is read once, cast into its master's FP32 gradient (the
-  FP16 one freed); the scaler then unscales, checks and clips the FP32 gradients as it always does.
-- `write_back(optimizer)`: after the step, the FP16 weights from the masters (`copy_`: round to
-  nearest, ties to even); the masters' gradients freed. A skipped step leaves the masters as they
-  were, and the FP16 weights rewritten from unchanged masters are unchanged: nothing moves.
+Who owns what:
 
-The masters travel with the optimizer: each is kept in its own state (`optimizer.state[master]
-["hf_lossscale_master"]`, the master itself, no copy; added after the first step, as the optimizers
-make their state on an empty entry), so `optimizer.state_dict()` and the Trainer's checkpoints carry
-them and `load_state_dict()` restores them bitwise (a load hook copies them back in). Imports only
-torch.
+- **The optimizer owns its masters.** They sit in its parameter groups in place of the FP16
+  parameters (so its state, its `zero_grad()`, its fused kernels and its `state_dict()` are the
+  FP32 ones), and the bookkeeping (`OptimizerMasters`) is an attribute of the optimizer itself: it
+  lives exactly as long as the optimizer, whichever scaler looks at it. The FP16 parameters are held
+  by the tensors themselves (never by an `id()` that a later object can reuse).
+- **A master is made the first time its FP16 parameter is seen trainable in the groups**: at
+  `attach`, at a step, after `add_param_group` or after unfreezing. One per tensor: tied weights, or
+  a parameter listed twice, get one.
+- **The gradient has one home.** The FP16 `.grad` collects a backward's gradient (in FP16, as the
+  model computes it); the first gradient read of an iteration (`unscale_`, a clip, `step`) moves it
+  into the master's FP32 `.grad` (one read, the FP16 one freed) and leaves a `GradientInMaster`
+  marker on the FP16 parameter: reading it (torch's `clip_grad_norm_(model.parameters())`, say)
+  raises at once and names the remedy; `zero_grad()` from either side clears the master's gradient,
+  as it would clear an FP32 parameter's; a backward on top of it accumulates onto the master's.
+- **Weights follow from either side.** After a step the FP16 weights are the masters rounded to
+  nearest (ties to even). When something else writes the FP16 weights (`model.load_state_dict`, an
+  FP32 phase, a hand edit: seen by the tensor's version counter), the masters are read again from
+  them at the next step.
+- **A state carries its masters.** `optimizer.state_dict()` holds each master under
+  `state[i]["hf_lossscale_master"]` (every optimizer, SGD without momentum and parameters that never
+  got a gradient included); `load_state_dict()` takes them and, at the next step, keeps a loaded master
+  only if, rounded, it equals its FP16 weight; otherwise (a stale entry, a corrupted file) it is
+  rebuilt from the weight with a warning that names the parameter. An optimizer state loaded before
+  the masters existed was cast to FP16 by torch: refused, with the remedy.
+
+Imports only torch.
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
+import warnings
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-__all__ = ["MasterWeights", "HALF_DTYPES", "STATE_KEY"]
+__all__ = [
+    "MasterWeights",
+    "OptimizerMasters",
+    "GradientInMaster",
+    "HALF_DTYPES",
+    "STATE_KEY",
+    "masters_of",
+    "half_of",
+    "gradient_of",
+]
 
 HALF_DTYPES = (torch.float16,)
 STATE_KEY = "hf_lossscale_master"
+_ATTR = "_hf_lossscale_masters"  # the optimizer's own attribute holding its OptimizerMasters
+
+_REMEDY = (
+    "This FP16 parameter's gradient lives in its FP32 master weight (hf_lossscale master weights): the "
+    "optimizer steps on the masters. Clip with `scaler.clip_grad_norm_(optimizer, max_norm)` or "
+    "`accelerator.clip_grad_norm_(model.parameters(), max_norm)`, or pass the optimizer's parameters "
+    "(`torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g['params']], max_norm)`); "
+    "read a gradient with `scaler.master_weights.grad(optimizer, param)`."
+)
+# metadata a caller may read off a marker (torch's own `zero_grad` and grouping read these)
+_METADATA = frozenset({
+    "device", "dtype", "shape", "is_sparse", "layout", "grad_fn", "requires_grad", "is_leaf", "ndim",
+    "is_cuda", "is_cpu", "is_meta", "is_nested", "is_quantized", "_base", "is_mkldnn",
+})  # fmt: skip
 
 
-class MasterWeights:
-    """The masters of each optimizer `attach` saw (see the module docstring)."""
+class GradientInMaster(torch.Tensor):
+    """What an FP16 parameter's `.grad` holds once its gradient moved into its FP32 master: a 2-byte
+    stand-in (a broadcast view) of the right shape and dtype. Reading its values raises at once with
+    the remedy; zeroing it (`zero_grad(set_to_none=False)`) zeroes the master's gradient; dropping
+    it (`zero_grad()`) frees the master's gradient; a backward on top of it accumulates onto the
+    master's gradient."""
 
-    def __init__(self) -> None:
-        # id(optimizer) -> [(the FP16 parameter, its FP32 master)]
-        self._pairs: dict[int, list[tuple[torch.nn.Parameter, torch.nn.Parameter]]] = {}
-        self._seen: set[int] = set()  # optimizers looked at for trainable FP16 parameters
-        self._keyed: set[int] = set()  # optimizers whose state holds each master (see write_back)
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name == "__get__" and getattr(getattr(func, "__self__", None), "__name__", "") in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        if func in (torch.Tensor.requires_grad_, torch.Tensor.detach_):
+            return args[0]
+        if func is torch.Tensor.zero_:
+            _zero_master_grad(args[0])
+            return args[0]
+        if func is torch._foreach_zero_:
+            plain = [t for t in args[0] if not isinstance(t, GradientInMaster)]
+            for t in args[0]:
+                if isinstance(t, GradientInMaster):
+                    _zero_master_grad(t)
+            if plain:
+                torch._foreach_zero_(plain)
+            return None
+        raise RuntimeError(f"{_REMEDY} (The call was {name or func}.)")
 
-    def prepare(self, optimizer: torch.optim.Optimizer) -> None:
-        """Masters for the optimizer's trainable FP16 parameters the first time it is seen (none when it
-        has none), then this iteration's FP16 gradients read into them."""
-        inner = _inner(optimizer)
-        if id(inner) not in self._seen:
-            self._seen.add(id(inner))
-            if self.half_trainable(inner):
-                self.attach(inner)
-        self.gather(inner)
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:
+        return f"GradientInMaster(shape={tuple(self.shape)}, dtype={self.dtype}: the gradient is in the FP32 master)"
 
-    # ------------------------------------------------------------------ attach
-    @staticmethod
-    def half_trainable(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
-        """The optimizer's trainable parameters held in FP16."""
-        return [
-            p
-            for g in optimizer.param_groups
-            for p in g["params"]
-            if p.dtype in HALF_DTYPES and p.requires_grad
-        ]
 
-    def attached(self, optimizer: torch.optim.Optimizer) -> bool:
-        return id(_inner(optimizer)) in self._pairs
+def _zero_master_grad(marker: GradientInMaster) -> None:
+    pair = marker.__dict__.get("_hf_pair")
+    pair = pair() if pair is not None else None
+    if pair is not None and pair.marker_is(marker) and pair.master.grad is not None:
+        pair.master.grad.zero_()
 
-    def attach(self, optimizer: torch.optim.Optimizer) -> int:
-        """Put FP32 masters in place of the optimizer's trainable FP16 parameters; returns how many.
-        Idempotent. Raises `ValueError` when one of them already has optimizer state (the optimizer
-        stepped in FP16 before: its moments would be FP16)."""
-        inner = _inner(optimizer)
-        if id(inner) in self._pairs:
+
+@dataclass(eq=False)
+class _Pair:
+    """One FP16 parameter and its FP32 master, with what the hand-over needs to know."""
+
+    half: torch.nn.Parameter
+    master: torch.nn.Parameter
+    name: str | None = None
+    version: tuple[int, int] = (0, 0)  # the FP16 weight's (version, address) after our last write
+    on_top: bool = False  # a backward came in on top of a marker: its FP16 gradient adds onto the master's
+    loaded: torch.Tensor | None = (
+        None  # a master read from a state, checked against the weight at the next step
+    )
+    accumulator: Any = field(default=None, repr=False)  # the FP16 parameter's AccumulateGrad node
+    _marker: weakref.ref | None = field(default=None, repr=False)
+
+    def marker_is(self, tensor: Any) -> bool:
+        return tensor is not None and self._marker is not None and self._marker() is tensor
+
+    def weight_version(self) -> tuple[int, int]:
+        return (self.half._version, self.half.data_ptr())
+
+    def leave_marker(self) -> None:
+        """Put a fresh marker on the FP16 parameter; when it dies (a `zero_grad()` on the model) the
+        master's gradient goes with it, unless a backward came in on top of it."""
+        half = self.half
+        base = torch.empty((), dtype=half.dtype, device=half.device)
+        marker = base.expand(half.shape).as_subclass(GradientInMaster)
+        me = weakref.ref(self)  # weak both ways: the pair (and its master) dies with its optimizer
+        marker.__dict__["_hf_pair"] = me
+        self._marker = weakref.ref(marker, functools.partial(_marker_died, me))
+        half.grad = marker
+
+
+def _marker_died(pair_ref: weakref.ref, ref: weakref.ref) -> None:
+    """The FP16 side dropped its gradient (`zero_grad()`): the master's goes too, unless a backward
+    came in on top of it (the hook dropped the marker) or the pair has a newer marker."""
+    pair = pair_ref()
+    if pair is not None and ref is pair._marker and not pair.on_top:
+        pair._marker = None
+        pair.master.grad = None
+
+
+class OptimizerMasters:
+    """The masters of one optimizer (see the module docstring); kept as an attribute of the optimizer."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+        self.pairs: dict[int, _Pair] = {}  # id(FP16 parameter) -> pair (the pair holds the parameter)
+        self.by_master: dict[int, _Pair] = {}  # id(master) -> pair
+        self._layout: tuple[
+            int, ...
+        ] = ()  # the groups' lengths when the FP16 parameters were last looked for
+        self._frozen: list[torch.nn.Parameter] = []  # FP16 parameters left in the groups (frozen then)
+        self._hook_handles: list[Any] = []  # the FP16 parameters' gradient hooks
+        ref = weakref.ref(self)
+        # `optimizer.zero_grad()` clears the FP16 gradients not yet read into the masters, too (its groups
+        # hold the masters): the one method wrapped, on this instance; torch has no hook for it
+        optimizer.zero_grad = functools.partial(_zero_grad, optimizer.zero_grad, ref)
+        optimizer.register_state_dict_post_hook(functools.partial(_state_dict_hook, ref))
+        optimizer.register_load_state_dict_pre_hook(functools.partial(_load_pre_hook, ref))
+        optimizer.register_load_state_dict_post_hook(functools.partial(_load_post_hook, ref))
+        weakref.finalize(self, _release, self.pairs, self._hook_handles)
+
+    # ------------------------------------------------------------------ which parameters
+    def sync_params(
+        self, optimizer: torch.optim.Optimizer, name: Callable[[torch.Tensor], str | None]
+    ) -> int:
+        """Masters for trainable FP16 parameters in the groups that have none yet (a new group, an
+        unfrozen one); returns how many were made. Cheap when nothing changed."""
+        layout = tuple(len(g["params"]) for g in optimizer.param_groups)
+        if layout == self._layout and not any(p.requires_grad for p in self._frozen):
             return 0
-        halves = self.half_trainable(inner)
-        sharded = [type(p).__name__ for p in halves if type(p).__name__ in ("DTensor", "FlatParameter")]
-        if sharded:
+        made = 0
+        frozen = []
+        present = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                params = group["params"]
+                for i, p in enumerate(params):
+                    if p.dtype not in HALF_DTYPES:
+                        continue
+                    if not p.requires_grad:
+                        frozen.append(p)
+                        continue
+                    pair = self.pairs.get(id(p))
+                    if pair is None:
+                        pair = self._new_pair(optimizer, p, name(p))
+                        made += 1
+                    elif id(pair.master) in present:
+                        raise ValueError(
+                            f"master_weights: {pair.name or 'an FP16 parameter'} is in the optimizer already "
+                            "(as its FP32 master): some parameters appear in more than one parameter group, "
+                            "which torch's optimizers refuse."
+                        )
+                    params[i] = pair.master
+        self._frozen = frozen
+        self._layout = layout
+        return made
+
+    def _new_pair(
+        self, optimizer: torch.optim.Optimizer, half: torch.nn.Parameter, name: str | None
+    ) -> _Pair:
+        label = name or f"<FP16 parameter of shape {tuple(half.shape)}>"
+        kind = type(half).__name__
+        if kind in ("DTensor", "FlatParameter"):
             raise ValueError(
-                f"master_weights: the optimizer holds sharded FP16 parameters ({sharded[0]}): under FSDP keep "
+                f"master_weights: the optimizer holds sharded FP16 parameters ({kind}): under FSDP keep "
                 "the parameters in FP32 and let FSDP compute in FP16 (FSDP2 `MixedPrecisionPolicy(param_dtype="
                 "torch.float16)`, FSDP1 `MixedPrecision(param_dtype=torch.float16)`), which is the same design; "
                 "under DeepSpeed use its FP16 optimizer (`fp16.enabled`), which keeps FP32 masters itself."
             )
-        stepped = [p for p in halves if inner.state.get(p)]
-        if stepped:
+        state = optimizer.state.get(half)
+        if state:
+            if STATE_KEY in state:
+                raise ValueError(
+                    f"master_weights: {label}: this optimizer's state was loaded before its FP32 masters "
+                    "existed, so torch cast the masters and the moments to float16. Give the optimizer to "
+                    "the scaler first: `scaler.master_weights.attach(optimizer)` (the Trainer and "
+                    "`accelerator.prepare` do it), then `optimizer.load_state_dict(...)`."
+                )
             raise ValueError(
-                f"master_weights: {len(stepped)} FP16 parameter(s) already have optimizer state (the optimizer "
-                "stepped on FP16 weights): attach the masters before the first step."
+                f"master_weights: {label} already has optimizer state (the optimizer stepped on FP16 "
+                "weights): attach the masters before the first step."
             )
-        pairs = []
-        with torch.no_grad():
-            for group in inner.param_groups:
-                params = group["params"]
-                for i, half in enumerate(params):
-                    if half.dtype in HALF_DTYPES and half.requires_grad:
-                        master = torch.nn.Parameter(half.detach().float())
-                        if half.grad is not None:  # a backward already ran: its gradient moves too
-                            master.grad = half.grad.float()
-                            half.grad = None
-                        params[i] = master
-                        pairs.append((half, master))
-        self._pairs[id(inner)] = pairs
-        self._seen.add(id(inner))
-        if pairs:
-            inner.register_load_state_dict_post_hook(_restore_masters)
-        return len(pairs)
-
-    def pairs(self, optimizer: torch.optim.Optimizer) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
-        return self._pairs.get(id(_inner(optimizer)), [])
+        master = torch.nn.Parameter(half.detach().float())
+        pair = _Pair(half=half, master=master, name=name)
+        pair.version = pair.weight_version()
+        self.pairs[id(half)] = pair
+        self.by_master[id(master)] = pair
+        me = weakref.ref(pair)
+        with torch.enable_grad():  # the parameter's gradient accumulator, kept (as DDP keeps it)
+            pair.accumulator = half.view_as(half).grad_fn.next_functions[0][0]
+        # on the accumulator, not the tensor: `torch.autograd.grad` (which accumulates nothing) leaves it be
+        self._hook_handles.append(pair.accumulator.register_prehook(functools.partial(_on_new_gradient, me)))
+        self._hook_handles.append(
+            half.register_post_accumulate_grad_hook(functools.partial(_fold_on_top, me))
+        )
+        return pair
 
     # ------------------------------------------------------------------ each step
-    def gather(self, optimizer: torch.optim.Optimizer) -> None:
-        """Each FP16 gradient cast into its master's FP32 gradient (one read of it), then freed."""
-        halves, masters = [], []
-        for half, master in self.pairs(optimizer):
-            if half.grad is None:
+    def gather(self) -> None:
+        """Move this iteration's FP16 gradients into the masters (one read each; see the module docstring),
+        and bring the masters in line with weights written from outside."""
+        self._refresh_masters()
+        fresh_src, fresh_dst, fresh_pairs = [], [], []
+        for pair in self.pairs.values():
+            grad = pair.half.grad
+            if grad is None:
+                pair.master.grad = None
+                pair.on_top = False
+            elif isinstance(grad, GradientInMaster):
+                if not pair.marker_is(grad):  # another optimizer's master holds it: none here
+                    pair.master.grad = None
                 continue
-            if master.grad is None:  # freed after each step (write_back / release)
-                master.grad = torch.empty_like(master)
-            halves.append(half.grad)
-            masters.append(master.grad)
-            half.grad = None
-        if masters:
+            elif pair.on_top and pair.master.grad is not None:
+                with torch.no_grad():
+                    pair.master.grad.add_(grad)
+                pair.on_top = False
+                pair.leave_marker()
+            else:
+                fresh_src.append(grad)
+                dst = torch.empty_like(pair.master)
+                fresh_dst.append(dst)
+                fresh_pairs.append(pair)
+        if fresh_pairs:
             with torch.no_grad():
-                torch._foreach_copy_(masters, halves)
+                torch._foreach_copy_(fresh_dst, fresh_src)
+            del fresh_src
+            for pair, dst in zip(fresh_pairs, fresh_dst, strict=True):
+                pair.master.grad = dst
+                pair.on_top = False
+                pair.leave_marker()
 
-    def write_back(self, optimizer: torch.optim.Optimizer) -> None:
-        """The FP16 weights from the masters (round to nearest even); the masters' gradients freed."""
-        pairs = self.pairs(optimizer)
+    def take_loaded(self, final: bool) -> None:
+        """Masters loaded from a state that round to their FP16 weights replace the masters; the others
+        wait (the weights may be loaded next) or, when `final`, are rebuilt from the weights with a
+        warning that names the parameter."""
+        loaded = [p for p in self.pairs.values() if p.loaded is not None]
+        if loaded:
+            with torch.no_grad():
+                agree = torch.stack([(p.loaded.to(p.half.dtype) == p.half).all() for p in loaded]).tolist()
+                for pair, ok in zip(loaded, agree, strict=True):
+                    if not ok and not final:
+                        continue
+                    pair.master.copy_(pair.loaded if ok else pair.half)
+                    if not ok:
+                        warnings.warn(
+                            f"master_weights: the FP32 master loaded for {pair.name or 'a parameter of shape '}"
+                            f"{'' if pair.name else tuple(pair.half.shape)} does not round to its FP16 weight "
+                            "(a stale entry, from before a phase that trained the weights without masters, or a "
+                            "corrupted file): rebuilt from the weight.",
+                            stacklevel=5,
+                        )
+                    pair.loaded = None
+                    pair.version = pair.weight_version()
+
+    def _refresh_masters(self) -> None:
+        """Masters loaded from a state are checked against their weights; weights written from outside
+        since our last write are read into their masters."""
+        self.take_loaded(final=True)
+        for pair in self.pairs.values():
+            if pair.weight_version() != pair.version:
+                with torch.no_grad():
+                    pair.master.copy_(pair.half)
+                pair.version = pair.weight_version()
+
+    def write_back(self) -> None:
+        """The FP16 weights from the masters (round to nearest even)."""
+        pairs = list(self.pairs.values())
         if not pairs:
             return
         with torch.no_grad():
-            torch._foreach_copy_([h for h, _ in pairs], [m for _, m in pairs])
-        for _, master in pairs:
-            master.grad = None
+            torch._foreach_copy_([p.half for p in pairs], [p.master for p in pairs])
+        for pair in pairs:
+            pair.version = pair.weight_version()
+
+    def master_of(self, param: torch.Tensor) -> torch.Tensor:
+        pair = self.pairs.get(id(param))
+        return param if pair is None or pair.half is not param else pair.master
+
+    def half_of(self, param: torch.Tensor) -> torch.Tensor | None:
+        pair = self.by_master.get(id(param))
+        return pair.half if pair is not None and pair.master is param else None
+
+
+def _release(pairs: dict[int, _Pair], handles: list) -> None:
+    """The optimizer is gone: its hooks come off the FP16 parameters, and so do its markers (a later
+    backward then collects a fresh FP16 gradient)."""
+    for handle in handles:
+        handle.remove()
+    for pair in pairs.values():
+        if pair.marker_is(pair.half.grad):
+            pair.half.grad = None
+
+
+def _zero_grad(original: Callable, ref: weakref.ref, set_to_none: bool = True) -> None:
+    """`optimizer.zero_grad()`: the masters' gradients as torch clears them, and the FP16 side with them,
+    so that the next backward collects a plain FP16 gradient again (visible to the user's code)."""
+    original(set_to_none)
+    masters = ref()
+    if masters is None:
+        return
+    for pair in masters.pairs.values():
+        grad = pair.half.grad
+        if grad is None:
+            continue
+        if not isinstance(grad, GradientInMaster):  # collected, not yet read: cleared as torch clears
+            if set_to_none:
+                pair.half.grad = None
+            else:
+                grad.zero_()
+        elif pair.marker_is(grad) or not set_to_none:
+            pair.on_top = False
+            pair.master.grad = None
+            pair._marker = None
+            # a zero gradient stays a zero gradient (FP16 zeros: read into the master at the next step)
+            pair.half.grad = None if set_to_none else torch.zeros_like(pair.half)
+
+
+def _on_new_gradient(pair_ref: weakref.ref, grad_outputs: tuple) -> None:
+    """A backward is about to accumulate into an FP16 parameter whose `.grad` is a marker: the marker
+    goes (the new FP16 gradient is collected from zero) and `_fold_on_top` adds it onto the master's."""
+    pair = pair_ref()
+    if pair is not None and isinstance(pair.half.grad, GradientInMaster):
+        pair.on_top = pair.marker_is(pair.half.grad)  # else another optimizer's, gone or going
+        pair.half.grad = None
+
+
+def _fold_on_top(pair_ref: weakref.ref, half: torch.Tensor) -> None:
+    """After a backward that came in on top of a marker: its FP16 gradient is added onto the master's
+    at once, and the marker goes back, so that the gradient keeps one home (a `zero_grad()` from the
+    model then reaches all of it)."""
+    pair = pair_ref()
+    if pair is None or not pair.on_top or half.grad is None or isinstance(half.grad, GradientInMaster):
+        return
+    with torch.no_grad():
+        if pair.master.grad is None:
+            pair.master.grad = half.grad.float()
+        else:
+            pair.master.grad.add_(half.grad)
+    pair.on_top = False
+    pair.leave_marker()
+
+
+def _state_dict_hook(ref: weakref.ref, optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """Each master in the packed state, under STATE_KEY (a new dict per entry: the live state is untouched)."""
+    masters = ref()
+    if masters is None:
+        return state_dict
+    packed = state_dict["state"]
+    for index, param in _first_places(optimizer.param_groups):
+        pair = masters.by_master.get(id(param))
+        if pair is not None and pair.master is param:
+            packed[index] = {**packed.get(index, {}), STATE_KEY: param.detach()}
+    return state_dict
+
+
+def _load_pre_hook(ref: weakref.ref, optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """Take the masters out of a state being loaded (the optimizer never sees them): each is checked
+    against its FP16 weight at the next step. Entries for parameters without a master are dropped."""
+    masters = ref()
+    if masters is None:
+        return state_dict
+    saved = itertools.chain.from_iterable(g["params"] for g in state_dict.get("param_groups", []))
+    current = itertools.chain.from_iterable(g["params"] for g in optimizer.param_groups)
+    id_map = dict(zip(saved, current, strict=False))  # as torch maps them
+    state = {}
+    for key, entry in state_dict["state"].items():
+        if isinstance(entry, dict) and STATE_KEY in entry:
+            entry = dict(entry)
+            value = entry.pop(STATE_KEY)
+            param = id_map.get(key)
+            pair = masters.by_master.get(id(param)) if param is not None else None
+            if pair is not None and pair.master is param and isinstance(value, torch.Tensor):
+                if value.shape != param.shape:
+                    raise ValueError(
+                        f"master_weights: the loaded master for {pair.name or 'a parameter'} has shape "
+                        f"{tuple(value.shape)}, its parameter {tuple(param.shape)}: not this model's state."
+                    )
+                pair.loaded = value.detach().to(device=param.device, dtype=torch.float32)
+        state[key] = entry
+    return {**state_dict, "state": state}
+
+
+def _first_places(groups: list[dict]) -> list[tuple[int, torch.Tensor]]:
+    """(index, parameter) as torch's `state_dict` numbers them: a parameter listed twice keeps its first."""
+    seen: set[int] = set()
+    out = []
+    index = 0
+    for group in groups:
+        for param in group["params"]:
+            if id(param) not in seen:
+                seen.add(id(param))
+                out.append((index, param))
+                index += 1
+    return out
+
+
+def _load_post_hook(ref: weakref.ref, optimizer: torch.optim.Optimizer) -> None:
+    masters = ref()
+    if masters is not None:
+        masters.take_loaded(final=False)
+
+
+def masters_of(optimizer: Any, create: bool = False) -> OptimizerMasters | None:
+    """The optimizer's masters (the torch optimizer inside Accelerate's wrapper), made when `create`."""
+    inner = _inner(optimizer)
+    found = inner.__dict__.get(_ATTR)
+    if found is None and create:
+        found = OptimizerMasters(inner)
+        inner.__dict__[_ATTR] = found
+    return found
+
+
+class MasterWeights:
+    """The scaler's view of the masters of the optimizers it steps (each optimizer holds its own)."""
+
+    def __init__(self, names: Callable[[torch.Tensor], str | None] | None = None) -> None:
+        self._names = names or (lambda p: None)
+        self._seen: weakref.WeakSet = weakref.WeakSet()  # optimizers with masters, for `bytes()`
+
+    @staticmethod
+    def half_trainable(optimizer: torch.optim.Optimizer) -> list[torch.nn.Parameter]:
+        """The optimizer's trainable parameters held in FP16 (not yet stepping on masters)."""
+        return [
+            p
+            for g in _inner(optimizer).param_groups
+            for p in g["params"]
+            if p.dtype in HALF_DTYPES and p.requires_grad
+        ]
+
+    def attach(self, optimizer: torch.optim.Optimizer) -> int:
+        """Masters for the optimizer's trainable FP16 parameters now (before `load_state_dict` of a
+        resumed state); returns how many were made. Idempotent; a step does it by itself."""
         inner = _inner(optimizer)
-        if id(inner) not in self._keyed and all(inner.state.get(m) for _, m in pairs):
-            # once the optimizer made its own state (its first step: it makes it on an empty entry)
-            for _, master in pairs:
-                inner.state[master][STATE_KEY] = master
-            self._keyed.add(id(inner))
+        if not self.half_trainable(inner) and masters_of(inner) is None:
+            return 0
+        self._seen.add(inner)
+        return masters_of(inner, create=True).sync_params(inner, self._names)
 
-    def release(self, optimizer: torch.optim.Optimizer) -> None:
-        """After a skipped step: the masters' gradients freed (masters and weights untouched)."""
-        for _, master in self.pairs(optimizer):
-            master.grad = None
+    def attached(self, optimizer: torch.optim.Optimizer) -> bool:
+        found = masters_of(optimizer)
+        return found is not None and bool(found.pairs)
 
-    def bytes(self) -> int:
-        """The masters' memory (4 bytes per trainable FP16 parameter)."""
-        return sum(m.numel() * m.element_size() for pairs in self._pairs.values() for _, m in pairs)
+    def prepare(self, optimizer: torch.optim.Optimizer) -> None:
+        """Masters for any new trainable FP16 parameter, then this iteration's FP16 gradients read into them."""
+        inner = _inner(optimizer)
+        found = masters_of(inner)
+        if found is None:
+            if not self.half_trainable(inner):
+                return
+            found = masters_of(inner, create=True)
+            self._seen.add(inner)
+        found.sync_params(inner, self._names)
+        found.gather()
+
+    def pairs(self, optimizer: torch.optim.Optimizer) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
+        found = masters_of(optimizer)
+        return [(p.half, p.master) for p in found.pairs.values()] if found is not None else []
+
+    def write_back(self, optimizer: torch.optim.Optimizer) -> None:
+        found = masters_of(optimizer)
+        if found is not None:
+            found.write_back()
+
+    def master_of(self, optimizer: torch.optim.Optimizer, param: torch.Tensor) -> torch.Tensor:
+        """The master of an FP16 parameter of this optimizer (the parameter itself otherwise)."""
+        found = masters_of(optimizer)
+        return param if found is None else found.master_of(param)
+
+    def grad(self, optimizer: torch.optim.Optimizer, param: torch.Tensor) -> torch.Tensor | None:
+        """A parameter's gradient as the optimizer will step on it (FP32, still scaled before `unscale_`),
+        for an FP16 parameter with a master or the master itself, without moving anything; for any
+        other parameter its `.grad`."""
+        found = masters_of(optimizer)
+        pair = None
+        if found is not None:
+            pair = found.pairs.get(id(param)) or found.by_master.get(id(param))
+        if pair is None or (pair.half is not param and pair.master is not param):
+            return param.grad
+        pending = pair.half.grad
+        if pending is None or isinstance(pending, GradientInMaster):
+            return (
+                pair.master.grad
+                if pair.marker_is(pending) or pending is None and pair.master.grad is None
+                else None
+            )
+        base = pair.master.grad if pair.on_top else None
+        return pending.float() if base is None else base + pending.float()
+
+    def bytes(self, optimizer: torch.optim.Optimizer | None = None) -> int:
+        """The masters' memory (4 bytes per trainable FP16 parameter): of one optimizer, or of all
+        the live optimizers this scaler made masters for."""
+        optimizers = [_inner(optimizer)] if optimizer is not None else list(self._seen)
+        return sum(
+            p.master.numel() * p.master.element_size()
+            for opt in optimizers
+            if (found := masters_of(opt)) is not None
+            for p in found.pairs.values()
+        )
+
+    def __getstate__(self) -> dict[str, Any]:  # the masters belong to the optimizers, not to a pickle
+        return {"_names": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()
+
+
+def gradient_of(param: torch.Tensor) -> torch.Tensor | None:
+    """A parameter's gradient as its optimizer steps on it: for an FP16 parameter whose gradient moved
+    into its FP32 master, the master's (FP32); otherwise `param.grad`."""
+    grad = param.grad
+    if isinstance(grad, GradientInMaster):
+        pair = grad.__dict__.get("_hf_pair")
+        pair = pair() if pair is not None else None
+        return pair.master.grad if pair is not None and pair.marker_is(grad) else None
+    return grad
+
+
+def half_of(optimizer: Any, param: torch.Tensor) -> torch.Tensor | None:
+    """The FP16 parameter whose master `param` is, in this optimizer (None otherwise)."""
+    found = masters_of(optimizer)
+    return found.half_of(param) if found is not None else None
 
 
 def _inner(optimizer: Any) -> torch.optim.Optimizer:
     """The torch optimizer inside Accelerate's `AcceleratedOptimizer` (or the optimizer itself)."""
-    return getattr(optimizer, "optimizer", optimizer)
-
-
-def _restore_masters(optimizer: torch.optim.Optimizer) -> None:
-    """After `load_state_dict`: each master's state entry is a loaded copy; its values go into the
-    master (bitwise) and the entry points at the master again."""
-    with torch.no_grad():
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                state = optimizer.state.get(param)
-                loaded = state.get(STATE_KEY) if state else None
-                if loaded is not None and loaded is not param:
-                    param.copy_(loaded)
-                    state[STATE_KEY] = param
+    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
+        optimizer = optimizer.optimizer
+    return optimizer

@@ -71,8 +71,14 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
       refills); when it reaches `growth_interval` the scale becomes
       `min(scale * growth_factor, max_scale)`, the growth tracker 0 and the budget full.
 
+    Also takes torch's signature, positionally or by keyword: `DynamicLossScaler("cuda", 2.0**16, 2.0,
+    0.5, 2000, True)` is `GradScaler`'s call, and `DynamicLossScaler("cuda", enabled=False)` too.
+
     Args:
-        config (`LossScaleConfig`, *optional*): the configuration; defaults to `LossScaleConfig()`.
+        config (`LossScaleConfig`, *optional*): the configuration; defaults to `LossScaleConfig()`. A
+            device string or `torch.device` here is torch's first argument, the device.
+        init_scale, growth_factor, backoff_factor, growth_interval (*optional*): torch's arguments, in
+            torch's order: config fields, over `config`.
         device (`str` or `torch.device`, *optional*):
             where the state lives. `None` takes the device of the first tensor given to `scale()`.
             A CUDA device on a machine without CUDA is an error.
@@ -101,12 +107,34 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
 
     def __init__(
         self,
-        config: LossScaleConfig | None = None,
+        config: LossScaleConfig | str | torch.device | None = None,
+        init_scale: float | None = None,
+        growth_factor: float | None = None,
+        backoff_factor: float | None = None,
+        growth_interval: int | None = None,
+        enabled: bool = True,
         *,
         device: str | torch.device | None = None,
-        enabled: bool = True,
         **overrides: Any,
     ) -> None:
+        if isinstance(config, (str, torch.device)):  # torch's signature: GradScaler(device, init_scale, ...)
+            if device is not None:
+                raise TypeError(f"DynamicLossScaler got the device twice: {config!r} and device={device!r}.")
+            config, device = None, config
+        torch_args = {
+            name: value
+            for name, value in (
+                ("init_scale", init_scale),
+                ("growth_factor", growth_factor),
+                ("backoff_factor", backoff_factor),
+                ("growth_interval", growth_interval),
+            )
+            if value is not None
+        }
+        twice = sorted(set(torch_args) & set(overrides))
+        if twice:
+            raise TypeError(f"DynamicLossScaler got {twice} twice.")
+        overrides = {**torch_args, **overrides}
         if config is None:
             config = LossScaleConfig(**_torch_ceiling(_check_overrides(overrides)))
         elif not isinstance(config, LossScaleConfig):
@@ -116,7 +144,9 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
         if not enabled:
             config = config.replace(mode="off")
         self.config = config
-        self._device = _check_device(device) if device is not None else None
+        if device is not None and enabled:
+            device = _check_device(device)
+        self._device = torch.device(device) if device is not None else None
         #: The scale, trackers and counters: host values until the first `scale()`, then device tensors.
         self.state = ScalerState(config)
         self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_fresh_optimizer_state)
@@ -130,7 +160,6 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
         self._rule_constants: dict[torch.device, RuleConstants] = {}  # see _constants
         self._flags: dict[torch.device, tuple[torch.Tensor, ...]] = {}  # see _flag_views
         self._found_taken = False  # whether this iteration's check used the flags buffer (_new_found)
-        self._grad_sentinel: torch.nn.Parameter | None = None  # see _drop_stale_probe
         #: Device flags of the last update: its loss was non-finite / it backed the scale off.
         self.last_loss_nonfinite: torch.Tensor | None = None
         # the last update's backoff: a bool flag, or (fast rule) its float overflow flag, compared on request
@@ -138,12 +167,13 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
         #: The latest overflow diagnosis (`hf_lossscale.core.overflow`): {"kind", "origin", "step", ...}.
         #: The collapse error leads with it. Set by whoever diagnoses (the Trainer's callback).
         self.overflow_origin: dict[str, Any] | None = None
-        #: FP32 master weights of the optimizers' trainable FP16 parameters (`config.master_weights`).
-        self.master_weights = MasterWeights()
         #: Steps taken at the floor with clamped gradients (`at_min_scale="clamp"`), host-side.
         self.clamped_steps = 0
         #: Names of parameters for overflow reports and errors (`set_parameter_names`).
         self.parameter_names = ParameterNames()
+        #: FP32 master weights of the optimizers' trainable FP16 parameters (`config.master_weights`);
+        #: each optimizer owns its own (`hf_lossscale.core.master_weights`).
+        self.master_weights = MasterWeights(self.parameter_names.given)
         #: Exponent histograms of the scaled gradients every `config.telemetry_interval` iterations.
         self.telemetry = GradientTelemetry(config.telemetry_interval)
         self._deferred_updates = 0  # updates made under torch.compile whose observers are not yet told
@@ -249,12 +279,16 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
 
         def apply(val: Any) -> Any:
             if isinstance(val, torch.Tensor):
-                self._note_loss(val)
                 scale = per_device.get(val.device)
                 if scale is None:
                     scale = self._scale.to(device=val.device, non_blocking=True)
                     per_device[val.device] = scale
-                return val * scale
+                # the scale plus `loss * 0`: the scale itself for a finite loss, NaN for a non-finite one,
+                # whose backward then poisons exactly the gradients it produces (a zero_grad() clears it
+                # with them; the step that keeps them is skipped). One op; the probe is read off it.
+                factor = torch.addcmul(scale, val.detach(), self._constants(val.device).zero)
+                self._note_loss(factor)
+                return val * factor
             if isinstance(val, (list, tuple)):
                 return type(val)(apply(v) for v in val)
             if isinstance(val, abc.Iterable):
@@ -317,19 +351,12 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not supported when loss scaling is enabled.")
         self._require_init("step")
-        if self._grad_sentinel is None:  # see _drop_stale_probe
-            self._grad_sentinel = next(
-                (p for g in optimizer.param_groups for p in g["params"] if p.grad is not None), None
-            )
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
         retval = self._step(optimizer, state, args, kwargs)
-        if self.master_weights.pairs(optimizer):  # the FP16 weights from their FP32 masters
-            if state.get("host_skipped"):  # skipped, known on the host: nothing moved, nothing to write
-                self.master_weights.release(optimizer)
-            else:  # stepped, or decided on the device (a skip leaves the masters, so the weights, as they were)
-                self.master_weights.write_back(optimizer)
+        if not state.get("host_skipped"):  # the FP16 weights from their FP32 masters (a skip on the device
+            self.master_weights.write_back(optimizer)  # left the masters, so the weights, as they were)
         return retval
 
     def _step(
@@ -471,9 +498,8 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
         if self.is_enabled() and self.state.materialised:
             self._gather_masters(optimizer)  # a model held in FP16: its gradients into the FP32 masters
         params = [p for group in optimizer.param_groups for p in group["params"]]
-        if parameters is not None:
-            to_master = {id(h): m for h, m in self.master_weights.pairs(optimizer)}
-            parameters = [to_master.get(id(p), p) for p in parameters]  # the model's FP16 ones: their masters
+        if parameters is not None:  # the model's FP16 parameters: their masters
+            parameters = [self.master_weights.master_of(optimizer, p) for p in parameters]
             given = {id(p) for p in parameters if p.grad is not None}
             if given != {id(p) for p in params if p.grad is not None}:
                 raise ValueError(
@@ -510,11 +536,10 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
             device = scaled_norm.device if with_grad else self._scale.device
             scale = self._scale.to(device, non_blocking=True)
             norm = scaled_norm.to(device) / scale  # exact for a power-of-two scale
-            # the norm is inf/NaN exactly when a gradient is; one kernel checks it and the loss probe
-            # (multiplying them by 1 in place leaves their values as they are)
+            # the norm is inf/NaN exactly when a gradient is (a non-finite loss poisoned its own); one
+            # kernel checks it (multiplying it by 1 in place leaves its value as it is)
             found = self._new_found(device)
-            checked = [norm] if self._loss_probe is None else [norm, self._loss_probe.to(device)]
-            torch._amp_foreach_non_finite_check_and_unscale_(checked, found, self._one(device))
+            torch._amp_foreach_non_finite_check_and_unscale_([norm], found, self._one(device))
             if error_if_nonfinite and found:
                 raise RuntimeError(
                     f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "
@@ -604,16 +629,18 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
             # A skipped one: the skip branch, whose only device input is whether the loss was finite.
             self._apply_known_rule(found_f.device, self._host_skipped, probe)
         elif probe is not None and not distributed:
-            # [skipped, loss non-finite, True]: the probe is 0 or NaN, and NaN != 0. One op where the
-            # flag and the probe sit in the flags buffer (the usual case), else two (a stack)
+            # [skipped, loss non-finite, True]: the probe is 0 or NaN, and NaN != 0. A non-finite loss
+            # counts where its poisoned gradients made the step skip (zero_grad() may have dropped them):
+            # two ops where the flag and the probe sit in the flags buffer (the usual case), else three
             buffer, found_view, probe_view = self._flag_views(found_f.device)
             if found_f is found_view and probe is probe_view:
                 bits = buffer.ne(0)
             else:
                 bits = torch.stack([found_f, probe.to(found_f.dtype), self._one(found_f.device)]).ne(0)
+            torch.logical_and(bits[1], bits[0], out=bits[1])
             self._apply_rule(bits[0], bits[1], bits)
         else:
-            loss_bad = None if probe is None else probe.ne(0)
+            loss_bad = None if probe is None else probe.ne(0) & (found_f > 0)
             if distributed:
                 loss_bad = self._all_ranks_loss_flag(loss_bad)
             self._apply_rule(found_f > 0, loss_bad)
@@ -760,7 +787,7 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
         # Device caches made again on first use: pickled, the flags buffer's views would come back as
         # copies of their own (an optimizer's overflow written where update() no longer reads it).
         state["_rule_constants"], state["_flags"], state["_found_taken"] = {}, {}, False
-        state["_grad_sentinel"] = None  # a parameter of the model: not the scaler's to carry
+        state.pop("master_weights", None)  # the masters belong to the optimizers
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -769,10 +796,10 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
             ("_rule_constants", {}),
             ("_flags", {}),
             ("_found_taken", False),
-            ("_grad_sentinel", None),
-            ("master_weights", MasterWeights()),
         ):
             self.__dict__.setdefault(name, value)  # a scaler pickled by an earlier version
+        self.__dict__.pop("_grad_sentinel", None)
+        self.master_weights = MasterWeights(self.parameter_names.given)
 
     def __repr__(self) -> str:
         return f"DynamicLossScaler({self.config!r}, device={self.device})"

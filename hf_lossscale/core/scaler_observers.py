@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from .hostcopy import HostCopy
+from .master_weights import half_of
 from .overflow import display_origin
 from .scaler_state import PACKED
 
@@ -76,6 +77,10 @@ class ParameterNames:
         for name, param in pairs:
             self._names[id(param)] = name
 
+    def given(self, param: torch.Tensor) -> str | None:
+        """The name `add` gave this tensor, if any."""
+        return self._names.get(id(param))
+
     def _place(self, param: torch.Tensor, optimizer: torch.optim.Optimizer) -> tuple[int, int] | None:
         shape = tuple(len(group["params"]) for group in optimizer.param_groups)
         cached = self._places.get(id(optimizer))
@@ -95,6 +100,9 @@ class ParameterNames:
         name = self._names.get(id(param))
         if name is not None:
             return name
+        half = half_of(optimizer, param)  # an FP32 master: the name of its FP16 parameter
+        if half is not None and id(half) in self._names:
+            return self._names[id(half)]
         place = self._place(param, optimizer)
         if place is not None:
             return f"param_groups[{place[0]}].params[{place[1]}] (shape {tuple(param.shape)})"

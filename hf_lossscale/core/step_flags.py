@@ -16,42 +16,28 @@ if TYPE_CHECKING:
 class StepFlags:
     """The flags buffer and the loss probe of `DynamicLossScaler` (see the module docstring)."""
 
-    def _note_loss(self, loss: torch.Tensor) -> None:
-        """Keep a device probe of the loss (no host sync): a non-finite loss is a forward overflow,
-        which no scale can fix. One op: `loss * 0` is 0 when the loss is finite and NaN otherwise, and
-        the gradients' overflow check reads it in the same kernel call (see `_unscale_grads_`). A
-        1-element loss on the scale's device writes it into the flags buffer (`_flag_views`)."""
-        loss = loss.detach()
-        self._drop_stale_probe()
-        if loss.device == self._scale.device and loss.numel() == 1:
-            _, _, in_buffer = self._flag_views(loss.device)
+    def _note_loss(self, factor: torch.Tensor) -> None:
+        """Keep a device probe of the losses (no host sync) from a scaled loss's factor (`scale + loss * 0`,
+        NaN exactly when the loss is non-finite): `factor * 0` is 0 or NaN. A non-finite loss is a forward
+        overflow, which no scale can fix: `update()` counts it where the step was skipped. A 1-element
+        factor on the scale's device writes the probe into the flags buffer (`_flag_views`), so `update()`
+        reads it with the found-inf flag in one compare. The probe never decides a skip by itself: the
+        loss's own poisoned gradients do (a `zero_grad()` that drops them drops the skip)."""
+        factor = factor.detach()
+        if factor.device == self._scale.device and factor.numel() == 1:
+            _, _, in_buffer = self._flag_views(factor.device)
             if self._loss_probe is None:  # the iteration's first loss
-                torch.mul(loss.reshape(()), 0, out=in_buffer)
+                torch.mul(factor.reshape(()), 0, out=in_buffer)
                 self._loss_probe = in_buffer
                 return
             if self._loss_probe is in_buffer:  # more losses (accumulation): added in place, still one op
-                self._loss_probe.add_(loss.reshape(()), alpha=0)
+                self._loss_probe.add_(factor.reshape(()), alpha=0)
                 return
-        probe = loss.mul(0)
+        probe = factor.mul(0)
         if probe.numel() != 1:
             probe = probe.sum()
         probe = probe.reshape(()).to(self._scale.device, non_blocking=True)
         self._loss_probe = probe if self._loss_probe is None else self._loss_probe + probe
-
-    def _drop_stale_probe(self) -> None:
-        """Forget the probe of losses whose gradients were thrown away: a loss scaled in an iteration
-        that never reached `update()` (a bad batch dropped by hand: `zero_grad(); continue`) must not
-        make the next, clean step a skip, as torch's scaler steps it. Told from accumulation by a
-        parameter that had a gradient at the first step (`_grad_sentinel`): `zero_grad()` (which sets
-        gradients to None by default) left it without one, and no optimizer was unscaled or stepped
-        since. A host check of one attribute; `zero_grad(set_to_none=False)` is not seen."""
-        if (
-            self._loss_probe is not None
-            and self._grad_sentinel is not None
-            and self._grad_sentinel.grad is None
-            and not self._per_optimizer_states
-        ):
-            self._loss_probe = None
 
     def _flag_views(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The flags buffer on `device` (made once) and its first two elements as 0-d views:

@@ -120,8 +120,6 @@ class TorchGradScalerSurface:
         grouped: dict[torch.device, dict[torch.dtype, list[torch.Tensor]]] = defaultdict(
             lambda: defaultdict(list)
         )
-        if not allow_fp16:
-            self._gather_masters(optimizer)
         fp16_params, bf16_params = [], []
         for group in optimizer.param_groups:
             for param in group["params"]:
@@ -184,15 +182,13 @@ class TorchGradScalerSurface:
                 return self._new_found(device)
             return found_inf if found_inf.device == device else found_inf.to(device, non_blocking=True)
 
-        # the loss probe (0, or NaN after a non-finite loss) joins its device's check: the step is then
-        # skipped whatever the gradients hold, at no extra op (our private tensor: unscaling it is harmless)
-        probe = self._loss_probe if found_inf is None else None
+        # a non-finite loss poisoned its own gradients (see `scale`): the check sees it through them
+        if not allow_fp16:
+            self._gather_masters(optimizer)  # the observers see the gradients the optimizer steps on
         for observer in self._watchers():
             observer.before_unscale(self, optimizer)
         with torch.no_grad():
             grouped = self._grads_by_device_and_dtype(optimizer, bool(allow_fp16))
-            if probe is not None:
-                grouped[probe.device][probe.dtype] = [*grouped[probe.device][probe.dtype], probe]
             for device, per_dtype in grouped.items():
                 if device not in found:
                     found[device] = flag_for(device)

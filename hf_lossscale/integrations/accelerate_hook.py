@@ -128,8 +128,7 @@ def install_loss_scaler(
             stacklevel=2,
         )
         return None
-    config = resolve_config(config, overrides)
-    _warn_if_grad_scaler_kwargs_ignored(accelerator, config)
+    config = _seed_from_grad_scaler_kwargs(accelerator, resolve_config(config, overrides))
     warn_if_untested()
 
     scaler = DynamicLossScaler(config, device=accelerator.device)
@@ -170,19 +169,48 @@ def needs_found_inf_sync(accelerator: Any) -> bool:
     return int(getattr(plugin, "fsdp_version", 1) or 1) == 1
 
 
-def _warn_if_grad_scaler_kwargs_ignored(accelerator: Accelerator, config: LossScaleConfig) -> None:
+_TORCH_FIELDS = ("init_scale", "growth_factor", "backoff_factor", "growth_interval")
+
+
+def _seed_from_grad_scaler_kwargs(accelerator: Accelerator, config: LossScaleConfig) -> LossScaleConfig:
+    """Accelerate's `GradScalerKwargs` (the `kwargs_handlers` a user gave the accelerator) seed the
+    config: each field it sets is taken, unless the loss-scale config sets that field itself (a value
+    other than its default, from code, arguments, `HF_LOSSSCALE_*` or the config file), which wins.
+    One warning line says which came from where; `enabled=False` turns loss scaling off."""
     handler = getattr(accelerator, "scaler_handler", None)
     if handler is None:
-        return
+        return config
     given = handler.to_kwargs()  # only the fields that differ from GradScalerKwargs' defaults
-    differing = {k: v for k, v in given.items() if getattr(config, k, v) != v}
-    if differing:
-        warnings.warn(
-            f"install_loss_scaler: GradScalerKwargs {differing} are replaced by the loss-scale config "
-            f"({ {k: getattr(config, k, None) for k in differing} }); set them through "
-            "LossScaleConfig / HF_LOSSSCALE_* instead.",
-            stacklevel=3,
-        )
+    defaults = LossScaleConfig()
+    taken, kept = {}, {}
+    for name in _TORCH_FIELDS:
+        if name not in given:
+            continue
+        if getattr(config, name) == getattr(defaults, name):
+            taken[name] = given[name]
+        elif getattr(config, name) != given[name]:
+            kept[name] = (given[name], getattr(config, name))
+    if given.get("enabled") is False:
+        taken["mode"] = "off"
+    if (
+        "init_scale" in taken
+        and taken["init_scale"] > config.max_scale
+        and config.max_scale == defaults.max_scale
+    ):
+        taken["max_scale"] = float(taken["init_scale"])  # torch's scaler has no ceiling
+    if taken:
+        config = config.replace(**taken)
+    if taken or kept:
+        parts = []
+        if taken:
+            parts.append("taken: " + ", ".join(f"{k}={v}" for k, v in taken.items()))
+        if kept:
+            parts.append(
+                "the loss-scale config wins for: "
+                + ", ".join(f"{k} (GradScalerKwargs {g}, config {c})" for k, (g, c) in kept.items())
+            )
+        warnings.warn(f"install_loss_scaler: GradScalerKwargs {'; '.join(parts)}.", stacklevel=3)
+    return config
 
 
 # ---------------------------------------------------------------------- optimizers
@@ -198,6 +226,10 @@ def _attach_to_optimizer(opt: Any, scaler: DynamicLossScaler) -> Any:
     opt.scaler = scaler
     if type(opt) is AcceleratedOptimizer:
         opt.__class__ = LossScaledOptimizer
+    if scaler.is_enabled() and scaler.config.master_weights is not False:
+        # a model held in FP16: its masters now, so that `load_state` restores them and a clip from
+        # the first step on sees them
+        scaler.master_weights.attach(_innermost(opt))
     return opt
 
 

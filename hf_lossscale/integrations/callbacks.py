@@ -26,6 +26,7 @@ import torch
 from transformers import TrainerCallback
 
 from ..core.events import EVENT_LOG_NAME, append_event
+from ..core.master_weights import gradient_of
 from ..core.overflow import display_origin, find_overflow_origin, rng_state
 from ..core.scaler import DynamicLossScaler, LossScaleCollapseError
 from ..core.scaler_observers import nonfinite_flags
@@ -299,7 +300,7 @@ class OverflowDiagnosisCallback(TrainerCallback):
             return
         self.diagnosed += 1
         model = self.trainer.accelerator.unwrap_model(self.trainer.model)
-        named = [(n, p.grad) for n, p in model.named_parameters() if p.grad is not None]
+        named = [(n, g) for n, p in model.named_parameters() if (g := gradient_of(p)) is not None]
         bad = nonfinite_flags([g for _, g in named]).tolist() if named else []
         params = [n for (n, _), b in zip(named, bad, strict=True) if b]
         if ours is not None and ours.last_loss_nonfinite is not None:

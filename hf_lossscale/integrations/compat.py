@@ -35,6 +35,12 @@ INTERNALS = [
     ("torch", "_amp_foreach_non_finite_check_and_unscale_"),
     # the FP16 emulation rounds outside its own TorchFunctionMode
     ("torch._C", "DisableTorchFunction"),
+    # master weights (core/master_weights.py): the FP16 gradients read into the masters and the weights
+    # written back in one kernel per dtype; a weight written from outside seen by its version counter;
+    # the marker left on an FP16 `.grad` reads its own metadata without its own __torch_function__
+    ("torch", "_foreach_copy_"),
+    ("torch", "Tensor._version"),
+    ("torch._C", "DisableTorchFunctionSubclass"),
     # a sparse gradient's stored values: the overflow check and the observers read them, as torch's
     # GradScaler does (`Tensor.values()` refuses an uncoalesced tensor)
     ("torch", "Tensor._values"),

@@ -366,7 +366,7 @@ class LossScaleMixin:
             if scaler.master_weights.half_trainable(inner):
                 n = scaler.master_weights.attach(inner)
                 logger.info("hf_lossscale: %d FP16 parameter tensors step on FP32 master weights (%.1f MB).",
-                            n, scaler.master_weights.bytes() / 2**20)  # fmt: skip
+                            n, scaler.master_weights.bytes(inner) / 2**20)  # fmt: skip
         return optimizer
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
