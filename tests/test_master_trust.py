@@ -533,3 +533,90 @@ def test_accelerate_save_state_and_load_state_resume_an_fp16_model_with_its_mast
     run(resumed, opt, accelerator, range(2, 4))
     for a, b in zip(full.parameters(), resumed.parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("off", ["mode", "enabled"])
+def test_with_scaling_off_an_fp16_model_still_steps_on_its_masters(off):
+    """Found by a user trial: with `mode="off"` (or `enabled=False`) `step()` called the optimizer
+    directly: an attached optimizer never trained, an unattached one ran pure FP16 AdamW (FP16 moments,
+    eps 1e-8 flushed to 0). Masters have nothing to do with scaling: the run is the FP32 one."""
+    kwargs = {"mode": "off"} if off == "mode" else {"enabled": False}
+    out = {}
+    for dtype in (torch.float32, torch.float16):
+        model = _model(dtype)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scaler = DynamicLossScaler(**kwargs)
+        scaler.master_weights.attach(opt)
+        for i in range(3):
+            scaler.scale(_loss(model, i)).backward()
+            scaler.unscale_(opt)
+            scaler.clip_grad_norm_(opt, 1.0)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        out[dtype] = [p for g in opt.param_groups for p in g["params"]]
+    assert all(p.dtype == torch.float32 for p in out[torch.float16])
+    for a, b in zip(out[torch.float16], out[torch.float32], strict=True):
+        assert (a.detach() - b.detach()).abs().max() < 1e-3  # the same training, to FP16 compute's rounding
+
+
+def test_weights_edited_between_unscale_and_step_are_stepped_from():
+    """Found by a user trial: an edit of the FP16 weights after `unscale_` (the gradients already read)
+    was overwritten by the step's write-back. FP32: the optimizer steps the edited weights."""
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    scaler = DynamicLossScaler(init_scale=2.0**8)
+    scaler.scale(_loss(model, 0)).backward()
+    scaler.unscale_(opt)
+    with torch.no_grad():
+        model[0].weight.zero_()
+    scaler.step(opt)
+    scaler.update()
+    assert torch.equal(model[0].weight, torch.zeros_like(model[0].weight))
+
+
+def test_marker_metadata_methods_and_sparse_and_fp32_phase():
+    """Found by a user trial: `p.grad.size()`/`numel()` on a moved gradient raised; a sparse FP16 embedding
+    failed in the hand-over (`copy_() between dense and sparse`); an optimizer that stepped the model in
+    FP32 before `model.half()` was refused with a wrong message. Now: metadata reads work, a sparse
+    gradient is cast as it is, and the FP32 state becomes the masters' state."""
+    emb = torch.nn.Embedding(10, 4, sparse=True).half()
+    opt = torch.optim.SGD(emb.parameters(), lr=0.5)
+    scaler = DynamicLossScaler(init_scale=2.0**8)
+    before = emb.weight.detach().clone()
+    scaler.scale(emb(torch.tensor([1, 2])).float().sum()).backward()
+    scaler.unscale_(opt)
+    assert emb.weight.grad.size() == (10, 4) and emb.weight.grad.numel() == 40
+    scaler.step(opt)
+    scaler.update()
+    moved = (emb.weight.detach() != before).any(dim=1)
+    assert moved.tolist() == [False, True, True] + [False] * 7
+
+    model = _model(torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scaler = DynamicLossScaler(init_scale=2.0**8)
+    for i in range(2):
+        scaler.scale(_loss(model, i)).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    steps = [opt.state[p]["step"].item() for p in model.parameters()]
+    model.half()
+    scaler.scale(_loss(model, 2)).backward()
+    scaler.step(opt)
+    scaler.update()
+    masters = [p for g in opt.param_groups for p in g["params"]]
+    assert all(p.dtype == torch.float32 for p in masters)
+    assert [opt.state[m]["step"].item() for m in masters] == [s + 1 for s in steps]  # the moments went on
+
+
+def test_accelerate_clip_grad_value_clips_the_masters():
+    """`accelerator.clip_grad_value_(model.parameters(), v)` on a model held in FP16 clips the masters'
+    gradients (it raised: the FP16 `.grad` is a marker once the gradients moved)."""
+    accelerator, _ = _accelerator()
+    model = _model()
+    model, opt = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=1.0))
+    accelerator.backward(_loss(model, 0) * 100)
+    accelerator.clip_grad_value_(model.parameters(), 1e-3)
+    grads = [p.grad for g in opt.optimizer.param_groups for p in g["params"]]
+    assert max(g.abs().max().item() for g in grads) == pytest.approx(1e-3)  # clipped to the value (FP32)

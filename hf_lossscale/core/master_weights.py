@@ -61,6 +61,9 @@ __all__ = [
 HALF_DTYPES = (torch.float16,)
 STATE_KEY = "hf_lossscale_master"
 _ATTR = "_hf_lossscale_masters"  # the optimizer's own attribute holding its OptimizerMasters
+_CHECKED = (
+    "_hf_lossscale_fp16_checked"  # for an optimizer without masters: (its layout, its frozen FP16 params)
+)
 
 _REMEDY = (
     "This FP16 parameter's gradient lives in its FP32 master weight (hf_lossscale master weights): the "
@@ -76,6 +79,12 @@ _METADATA = frozenset({
 })  # fmt: skip
 
 
+_METADATA_METHODS = frozenset({
+    torch.Tensor.size, torch.Tensor.numel, torch.Tensor.dim, torch.Tensor.element_size, torch.Tensor.nelement,
+    torch.Tensor.is_floating_point, torch.Tensor.is_complex, torch.Tensor.get_device, torch.Tensor.__len__,
+})  # fmt: skip
+
+
 class GradientInMaster(torch.Tensor):
     """What an FP16 parameter's `.grad` holds once its gradient moved into its FP32 master: a 2-byte
     stand-in (a broadcast view) of the right shape and dtype. Reading its values raises at once with
@@ -88,6 +97,9 @@ class GradientInMaster(torch.Tensor):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", "")
         if name == "__get__" and getattr(getattr(func, "__self__", None), "__name__", "") in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        if func in _METADATA_METHODS:
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         if func in (torch.Tensor.requires_grad_, torch.Tensor.detach_):
@@ -125,9 +137,8 @@ class _Pair:
     name: str | None = None
     version: tuple[int, int] = (0, 0)  # the FP16 weight's (version, address) after our last write
     on_top: bool = False  # a backward came in on top of a marker: its FP16 gradient adds onto the master's
-    loaded: torch.Tensor | None = (
-        None  # a master read from a state, checked against the weight at the next step
-    )
+    # a master read from a state, checked against the weight at the next step
+    loaded: torch.Tensor | None = None
     accumulator: Any = field(default=None, repr=False)  # the FP16 parameter's AccumulateGrad node
     _marker: weakref.ref | None = field(default=None, repr=False)
 
@@ -164,15 +175,17 @@ class OptimizerMasters:
     def __init__(self, optimizer: torch.optim.Optimizer) -> None:
         self.pairs: dict[int, _Pair] = {}  # id(FP16 parameter) -> pair (the pair holds the parameter)
         self.by_master: dict[int, _Pair] = {}  # id(master) -> pair
-        self._layout: tuple[
-            int, ...
-        ] = ()  # the groups' lengths when the FP16 parameters were last looked for
+        # the groups' lengths when the FP16 parameters were last looked for
+        self._layout: tuple[int, ...] = ()
         self._frozen: list[torch.nn.Parameter] = []  # FP16 parameters left in the groups (frozen then)
         self._hook_handles: list[Any] = []  # the FP16 parameters' gradient hooks
         ref = weakref.ref(self)
         # `optimizer.zero_grad()` clears the FP16 gradients not yet read into the masters, too (its groups
         # hold the masters): the one method wrapped, on this instance; torch has no hook for it
-        optimizer.zero_grad = functools.partial(_zero_grad, optimizer.zero_grad, ref)
+        # (the optimizer held weakly: no reference cycle keeps it, or its masters, alive after `del`)
+        original = optimizer.__dict__.get("zero_grad")
+        original = original if original is not None else functools.partial(type(optimizer).zero_grad)
+        optimizer.zero_grad = functools.partial(_zero_grad, original, weakref.ref(optimizer), ref)
         optimizer.register_state_dict_post_hook(functools.partial(_state_dict_hook, ref))
         optimizer.register_load_state_dict_pre_hook(functools.partial(_load_pre_hook, ref))
         optimizer.register_load_state_dict_post_hook(functools.partial(_load_post_hook, ref))
@@ -227,6 +240,18 @@ class OptimizerMasters:
                 "under DeepSpeed use its FP16 optimizer (`fp16.enabled`), which keeps FP32 masters itself."
             )
         state = optimizer.state.get(half)
+        fp32_state = state and all(
+            v.dtype == torch.float32
+            for k, v in state.items()
+            if isinstance(v, torch.Tensor) and k != "step" and v.is_floating_point()
+        )
+        if state and fp32_state and STATE_KEY not in state:
+            # stepped while the parameter was FP32 (then `model.half()`): its FP32 state is the master's
+            master = torch.nn.Parameter(half.detach().float())
+            optimizer.state[master] = optimizer.state.pop(half)
+            state = None
+        else:
+            master = None
         if state:
             if STATE_KEY in state:
                 raise ValueError(
@@ -239,7 +264,8 @@ class OptimizerMasters:
                 f"master_weights: {label} already has optimizer state (the optimizer stepped on FP16 "
                 "weights): attach the masters before the first step."
             )
-        master = torch.nn.Parameter(half.detach().float())
+        if master is None:
+            master = torch.nn.Parameter(half.detach().float())
         pair = _Pair(half=half, master=master, name=name)
         pair.version = pair.weight_version()
         self.pairs[id(half)] = pair
@@ -269,6 +295,11 @@ class OptimizerMasters:
                 if not pair.marker_is(grad):  # another optimizer's master holds it: none here
                     pair.master.grad = None
                 continue
+            elif grad.is_sparse:  # a sparse embedding's: cast as it is (FP32 sparse)
+                pair.master.grad = grad.coalesce().float() if pair.master.grad is None or not pair.on_top else (
+                    pair.master.grad + grad.float())  # fmt: skip
+                pair.on_top = False
+                pair.leave_marker()
             elif pair.on_top and pair.master.grad is not None:
                 with torch.no_grad():
                     pair.master.grad.add_(grad)
@@ -315,6 +346,11 @@ class OptimizerMasters:
         """Masters loaded from a state are checked against their weights; weights written from outside
         since our last write are read into their masters."""
         self.take_loaded(final=True)
+        self.follow_weights()
+
+    def follow_weights(self) -> None:
+        """Weights written from outside since our last write (their version counter moved) are read
+        into their masters."""
         for pair in self.pairs.values():
             if pair.weight_version() != pair.version:
                 with torch.no_grad():
@@ -350,10 +386,14 @@ def _release(pairs: dict[int, _Pair], handles: list) -> None:
             pair.half.grad = None
 
 
-def _zero_grad(original: Callable, ref: weakref.ref, set_to_none: bool = True) -> None:
+def _zero_grad(original: Callable, opt_ref: weakref.ref, ref: weakref.ref, set_to_none: bool = True) -> None:
     """`optimizer.zero_grad()`: the masters' gradients as torch clears them, and the FP16 side with them,
     so that the next backward collects a plain FP16 gradient again (visible to the user's code)."""
-    original(set_to_none)
+    optimizer = opt_ref()
+    if isinstance(original, functools.partial):  # the class's method: needs the instance
+        original(optimizer, set_to_none)
+    else:  # the instance's own (already replaced by someone else): bound
+        original(set_to_none)
     masters = ref()
     if masters is None:
         return
@@ -504,16 +544,37 @@ class MasterWeights:
         inner = _inner(optimizer)
         found = masters_of(inner)
         if found is None:
-            if not self.half_trainable(inner):
+            if not self._may_need_masters(inner):
                 return
             found = masters_of(inner, create=True)
             self._seen.add(inner)
         found.sync_params(inner, self._names)
         found.gather()
 
+    @staticmethod
+    def _may_need_masters(optimizer: torch.optim.Optimizer) -> bool:
+        """Whether the optimizer holds a trainable FP16 parameter; looked up once per layout of its groups
+        (and then only its frozen FP16 parameters), not at every step of an FP32 model."""
+        # the groups' lengths and first dtypes: `add_param_group`, or a `model.half()` after an FP32 phase
+        layout = tuple(
+            (len(g["params"]), g["params"][0].dtype if g["params"] else None) for g in optimizer.param_groups
+        )
+        seen = optimizer.__dict__.get(_CHECKED)
+        if seen is not None and seen[0] == layout:
+            return any(p.requires_grad for p in seen[1])
+        halves = [p for g in optimizer.param_groups for p in g["params"] if p.dtype in HALF_DTYPES]
+        optimizer.__dict__[_CHECKED] = (layout, [p for p in halves if not p.requires_grad])
+        return any(p.requires_grad for p in halves)
+
     def pairs(self, optimizer: torch.optim.Optimizer) -> list[tuple[torch.nn.Parameter, torch.nn.Parameter]]:
         found = masters_of(optimizer)
         return [(p.half, p.master) for p in found.pairs.values()] if found is not None else []
+
+    def follow_weights(self, optimizer: torch.optim.Optimizer) -> None:
+        """Masters read again from FP16 weights written from outside since the gradients were read."""
+        found = masters_of(optimizer)
+        if found is not None:
+            found.follow_weights()
 
     def write_back(self, optimizer: torch.optim.Optimizer) -> None:
         found = masters_of(optimizer)

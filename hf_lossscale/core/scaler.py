@@ -346,14 +346,18 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
         reads the found-inf flag once (one synchronisation, as `torch.amp.GradScaler` does).
         Returns what `optimizer.step()` returns (`None` when skipped).
         """
-        if not self.is_enabled():
-            return optimizer.step(*args, **kwargs)
+        if not self.is_enabled():  # no scaling; a model held in FP16 still steps on its masters
+            self._gather_masters(optimizer)
+            retval = optimizer.step(*args, **kwargs)
+            self.master_weights.write_back(optimizer)
+            return retval
         if "closure" in kwargs:
             raise RuntimeError("Closure use is not supported when loss scaling is enabled.")
         self._require_init("step")
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
+        self.master_weights.follow_weights(optimizer)  # weights edited since the gradients were read
         retval = self._step(optimizer, state, args, kwargs)
         if not state.get("host_skipped"):  # the FP16 weights from their FP32 masters (a skip on the device
             self.master_weights.write_back(optimizer)  # left the masters, so the weights, as they were)
@@ -495,7 +499,7 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
         `parameters=model.parameters()` gives `torch.nn.utils.clip_grad_norm_(model.parameters())`'s
         norm bitwise; those with gradients must be exactly the optimizer's parameters with gradients.
         """
-        if self.is_enabled() and self.state.materialised:
+        if self.state.materialised or not self.is_enabled():
             self._gather_masters(optimizer)  # a model held in FP16: its gradients into the FP32 masters
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if parameters is not None:  # the model's FP16 parameters: their masters

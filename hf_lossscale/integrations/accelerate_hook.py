@@ -226,7 +226,7 @@ def _attach_to_optimizer(opt: Any, scaler: DynamicLossScaler) -> Any:
     opt.scaler = scaler
     if type(opt) is AcceleratedOptimizer:
         opt.__class__ = LossScaledOptimizer
-    if scaler.is_enabled() and scaler.config.master_weights is not False:
+    if scaler.config.master_weights is not False:
         # a model held in FP16: its masters now, so that `load_state` restores them and a clip from
         # the first step on sees them
         scaler.master_weights.attach(_innermost(opt))
@@ -377,6 +377,14 @@ def _route_clip(accelerator: Accelerator) -> None:
         return scaler.clip_grad_norm_(target, max_norm, norm_type, parameters=parameters)
 
     accelerator.clip_grad_norm_ = clip_grad_norm_
+    original_value = accelerator.clip_grad_value_
+
+    @functools.wraps(original_value)
+    def clip_grad_value_(parameters, clip_value):
+        # a model held in FP16: the values clipped are its masters' gradients (Accelerate unscales first)
+        return original_value(_as_masters(accelerator, list(parameters)), clip_value)
+
+    accelerator.clip_grad_value_ = clip_grad_value_
 
 
 def _innermost(optimizer: Any) -> torch.optim.Optimizer:

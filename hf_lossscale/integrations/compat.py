@@ -16,6 +16,7 @@ INTERNALS = [
     ("accelerate.optimizer", "patch_optimizer_step"),
     ("accelerate.accelerator", "Accelerator.unscale_gradients"),
     ("accelerate.accelerator", "Accelerator.clip_grad_norm_"),
+    ("accelerate.accelerator", "Accelerator.clip_grad_value_"),
     ("transformers.trainer", "SCALER_NAME"),
     ("transformers.trainer", "TRAINER_STATE_NAME"),
     # the Trainer writes accelerator.scaler's state_dict() through it (we rely on it, not override it)

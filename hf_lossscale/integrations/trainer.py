@@ -361,7 +361,7 @@ class LossScaleMixin:
         first step. A model held in FP32 is untouched."""
         optimizer = super().create_optimizer(*args, **kwargs)
         scaler = self.loss_scaler
-        if scaler is not None and scaler.is_enabled() and scaler.config.master_weights is not False:
+        if scaler is not None and scaler.config.master_weights is not False:
             inner = getattr(optimizer, "optimizer", optimizer)
             if scaler.master_weights.half_trainable(inner):
                 n = scaler.master_weights.attach(inner)
