@@ -1,3 +1,4 @@
+import json
 import os
 import shutil
 import subprocess
@@ -30,7 +31,7 @@ class InjectingTrainer(LossScaleTrainer):
 
     def compute_loss(self, model, inputs, return_outputs=False, **kwargs):
         loss = super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
-        if self.state.global_step in self.bad_steps:
+        if self.state.global_step in self.bad_steps and not return_outputs:  # training steps only
             loss = loss * float("inf")
         return loss
 
@@ -198,7 +199,9 @@ def test_mixin_with_seq2seq_trainer(tmp_path):
     )
     trainer.train()
     assert trainer.loss_scaler.stats()["total_steps"] == 6
-    assert all("loss_scale" in e for e in trainer.state.log_history)
+    # training logs carry the scaler's figures; the end-of-training summary does not (issue 48)
+    assert all(("loss_scale" in e) == ("loss" in e) for e in trainer.state.log_history)
+    assert sum("loss" in e for e in trainer.state.log_history) == 2
 
 
 def test_hf_argument_parser_flags_and_files(tmp_path):
@@ -452,3 +455,145 @@ def test_logged_grad_norm_is_torchs_unscaled_norm(tmp_path, monkeypatch, optim):
         torch.testing.assert_close(ours[5:], theirs[5:], rtol=1e-6, atol=0)
         torch.testing.assert_close(w_ours, w_theirs, rtol=1e-6, atol=1e-7)
     assert ours[:4] == theirs[:4]  # same gradients until the first clipped step differs
+
+
+# ---------------------------------------------------------------- logs that keep their meaning (issue 48)
+def _strict_loads(line):
+    def refuse(constant):
+        raise ValueError(f"non-strict JSON constant {constant}")
+
+    return json.loads(line, parse_constant=refuse)
+
+
+def _trainer_with_eval(tmp_path, bad_steps=(), **kw):
+    trainer = InjectingTrainer(
+        model=tiny_bert_classifier(),
+        args=make_args(tmp_path, **kw),
+        train_dataset=tiny_classification_dataset(),
+        eval_dataset=tiny_classification_dataset(n=16),
+    )
+    trainer.bad_steps = bad_steps
+    return trainer
+
+
+SCALER_KEYS = {"loss_scale", "skipped_steps", "overflow_rate", "nonfinite_loss_steps", "fp16_emulated"}
+
+
+def test_evaluation_leaves_the_training_window_and_its_results_alone(tmp_path):
+    """Steps 1-2 hold one skip (step 2's loss is non-finite); an evaluation after step 1
+    (eval_steps=1) used to read the scaler and reset the "since the last log" window, so the log at
+    step 2 said overflow_rate 0.0; and evaluation metrics (eval_results.json) carried loss_scale,
+    overflow_rate and skipped_steps. Issue 48."""
+    trainer = _trainer_with_eval(
+        tmp_path, bad_steps=(1,), max_steps=4, logging_steps=2, eval_strategy="steps", eval_steps=1,
+        per_device_eval_batch_size=8, loss_scale_telemetry_interval=1,
+    )  # fmt: skip
+    trainer.train()
+    history = trainer.state.log_history
+    training = [e for e in history if "loss" in e]
+    evals = [e for e in history if "eval_loss" in e]
+    summary = [e for e in history if "train_runtime" in e]
+    assert [e["step"] for e in training] == [2, 4] and len(evals) == 4 and len(summary) == 1
+    assert training[0]["overflow_rate"] == 0.5 and training[0]["skipped_steps"] == 1
+    assert training[1]["overflow_rate"] == 0.0
+    # the telemetry snapshot goes to the training log that follows, at the step it was measured at
+    assert training[0]["grad_telemetry_step"] == 2 and training[1]["grad_telemetry_step"] == 4
+    for e in evals + summary:
+        assert not (SCALER_KEYS | {"grad_zero_frac", "headroom_bits"}) & set(e), e
+    metrics = trainer.evaluate()
+    assert "eval_loss" in metrics and not SCALER_KEYS & set(metrics)
+    assert trainer.loss_scaler.stats()["skipped_steps"] == 1
+
+
+def test_logs_and_event_log_are_strict_json(tmp_path):
+    """An overflow on a telemetry step gives headroom_bits -inf, and a skipped step an infinite
+    grad_norm: the event log used to write `-Infinity` (strict parsers reject it). Every line of the
+    event log and trainer_state.json parses strictly; the non-finite figures read null."""
+    trainer, _, _, _ = train(tmp_path, bad_steps=(4,), max_steps=6, logging_steps=1, save_strategy="steps",
+                             save_steps=6, loss_scale_telemetry_interval=1)  # fmt: skip
+    lines = (tmp_path / "out" / "loss_scale_log.jsonl").read_text().splitlines()
+    events = [_strict_loads(line) for line in lines]
+    telemetry = [e for e in events if e["event"] == "telemetry"]
+    assert [e["step"] for e in telemetry] == [1, 2, 3, 4, 5, 6]
+    assert telemetry[4]["headroom_bits"] is None and telemetry[4]["overflow_frac"] > 0  # step 5: inf/NaN
+    assert all(isinstance(e["headroom_bits"], float) for i, e in enumerate(telemetry) if i != 4)
+    logs = [e for e in events if e["event"] == "log" and "loss" in e]
+    assert logs[4]["step"] == 5 and logs[4]["headroom_bits"] is None
+    state = (tmp_path / "out" / "checkpoint-6" / "trainer_state.json").read_text()
+    history = _strict_loads(state)["log_history"]
+    assert history[4]["headroom_bits"] is None
+
+
+def test_a_loss_averaged_over_non_finite_steps_says_so(tmp_path, caplog):
+    """transformers' logging_nan_inf_filter counts a non-finite loss as the window's running mean,
+    0 when it comes first: the log at step 2 read loss 0.0 with no word. Now it counts them
+    (`loss_nonfinite_in_window`) and warns."""
+    with caplog.at_level("WARNING", logger="hf_lossscale.integrations.trainer"):
+        trainer, _, _, _ = train(tmp_path, bad_steps=(0, 1), max_steps=4, logging_steps=2)
+    training = [e for e in trainer.state.log_history if "loss" in e]
+    assert training[0]["loss"] == 0.0  # transformers' figure, unchanged
+    assert training[0]["loss_nonfinite_in_window"] == 2 and training[1]["loss_nonfinite_in_window"] == 0
+    said = [r.getMessage() for r in caplog.records if "averages" in r.getMessage()]
+    assert len(said) == 1 and "step 2 averages 2" in said[0] and "logging_nan_inf_filter" in said[0]
+
+
+def test_grad_zero_frac_leaves_out_untouched_rows(tmp_path):
+    """The tiny BERT's embedding rows of tokens not in the batch are zero throughout: they used to be
+    most of grad_zero_frac. Now grad_untouched_frac holds them and grad_zero_frac the zeros in rows
+    that received a gradient; the two add up to the old figure (the snapshot's zero_frac)."""
+    trainer, _, _, _ = train(tmp_path, max_steps=2, logging_steps=2, loss_scale_telemetry_interval=1)
+    log = next(e for e in trainer.state.log_history if "loss" in e)
+    events = [
+        _strict_loads(line) for line in (tmp_path / "out" / "loss_scale_log.jsonl").read_text().splitlines()
+    ]
+    snapshot = next(e for e in events if e.get("source") == "param_grads")
+    embeddings = snapshot["per_module"]["bert.embeddings"]
+    # every zero of the embeddings is a row the batch did not touch (measured: 43% of its elements)
+    assert embeddings["untouched_frac"] == embeddings["zero_frac"] > 0.3
+    assert embeddings["touched_zero_frac"] == 0.0
+    # across the model: untouched rows 8%, zeros in touched rows 0.03% (old grad_zero_frac: their sum)
+    assert log["grad_untouched_frac"] > 0.05 and log["grad_zero_frac"] < 0.1 * log["grad_untouched_frac"]
+    assert log["grad_zero_frac"] + log["grad_untouched_frac"] == pytest.approx(snapshot["zero_frac"])
+
+
+def test_a_loss_scale_keyword_with_plain_training_arguments_names_the_fix(tmp_path):
+    """`LossScaleTrainer(..., loss_scale_init=...)` raised the Trainer's bare TypeError; the error
+    names LossScaleTrainingArguments and loss_scale_config=, with the user's value in both."""
+    args = TrainingArguments(str(tmp_path), fp16=True, report_to=[], max_steps=2)
+    with pytest.raises(TypeError) as err:
+        LossScaleTrainer(model=tiny_bert_classifier(), args=args, train_dataset=tiny_classification_dataset(),
+                         loss_scale_init=1024.0, loss_scale_hysteresis=2)  # fmt: skip
+    message = str(err.value)
+    assert "LossScaleTrainingArguments(..., loss_scale_init=1024.0, loss_scale_hysteresis=2)" in message
+    assert "loss_scale_config=LossScaleConfig(init_scale=1024.0, hysteresis=2)" in message
+    assert "plain `TrainingArguments`" in message
+    with pytest.raises(TypeError, match="not loss-scale settings"):
+        LossScaleTrainer(tiny_bert_classifier(), args, loss_scale_intt=1024.0)
+
+
+def test_resume_takes_every_setting_from_this_run_and_says_what_differs(tmp_path, caplog, recwarn):
+    """Resumed with other settings, the Trainer kept the checkpoint's growth_interval (torch's
+    load_state_dict restores it) but took hysteresis and min_scale from the flags: two sources.
+    Now every setting is this run's, the checkpoint gives the dynamic state (scale, counters), and
+    one line names what differs. Issue 48."""
+    kw = dict(save_strategy="steps", save_steps=4, max_steps=4, loss_scale_growth_interval=3)
+    first, *_ = train(tmp_path, bad_steps=(1,), **kw)
+    saved = first.loss_scaler.stats()
+    ckpt = tmp_path / "out" / "checkpoint-4"
+    args = make_args(tmp_path, max_steps=4, save_strategy="no", loss_scale_growth_interval=7,
+                     loss_scale_hysteresis=2, loss_scale_min=4.0)  # fmt: skip
+    resumed = InjectingTrainer(
+        model=tiny_bert_classifier(), args=args, train_dataset=tiny_classification_dataset()
+    )
+    with caplog.at_level("WARNING", logger="hf_lossscale.integrations.trainer"):
+        resumed._load_scaler(str(ckpt))
+    config = resumed.loss_scaler.config
+    assert (config.growth_interval, config.hysteresis, config.min_scale) == (7, 2, 4.0)
+    stats = resumed.loss_scaler.stats()
+    for key in ("loss_scale", "total_steps", "skipped_steps"):
+        assert stats[key] == saved[key], key
+    lines = [r.getMessage() for r in caplog.records if "resumed the loss scaler" in r.getMessage()]
+    assert len(lines) == 1
+    assert "growth_interval 7 (checkpoint 3)" in lines[0] and "hysteresis 2 (checkpoint 1)" in lines[0]
+    assert "min_scale 4.0 (checkpoint 1.0)" in lines[0] and "init_scale" not in lines[0]
+    assert not [w for w in recwarn if "config" in str(w.message) or "Restored" in str(w.message)]

@@ -110,13 +110,15 @@ class LossScaleEventLogCallback(TrainerCallback):
         snapshots = getattr(self.trainer, "latest_telemetry", None) or {}
         grads, acts = snapshots.get("param_grads"), snapshots.get("activation_grads")
         if grads is not None:
-            # `step` is the log step (the snapshot's own `step`, the scaler's iteration, is `scale_step`).
-            self.write({**grads, "event": "telemetry", "step": state.global_step, "source": "param_grads",
-                        "scale_step": grads["step"]})  # fmt: skip
+            # `step` is the optimizer step the snapshot was measured at (`LossScaleMixin.log` works it
+            # out), `log_step` the log that read it; the snapshot's own `step`, the scaler's
+            # iteration, is `scale_step`.
+            self.write({**grads, "event": "telemetry", "step": grads.get("global_step", state.global_step),
+                        "log_step": state.global_step, "source": "param_grads", "scale_step": grads["step"]})  # fmt: skip
         if acts is not None:
-            self.write(
-                {"event": "telemetry", "step": state.global_step, "source": "activation_grads", **acts}
-            )
+            # summed over the probed steps since the previous log
+            self.write({"event": "telemetry", "step": state.global_step, "log_step": state.global_step,
+                        "source": "activation_grads", **acts})  # fmt: skip
 
     def on_step_end(self, args, state, control, **kwargs):
         scaler = loss_scaler_of(self.trainer)
@@ -155,6 +157,7 @@ def run_info(trainer: Any) -> dict[str, Any]:
     import transformers
 
     from .. import __version__
+    from ..tools.bf16 import cpu_name
 
     scaler = loss_scaler_of(trainer)
     args = trainer.args
@@ -169,6 +172,9 @@ def run_info(trainer: Any) -> dict[str, Any]:
         "fp32_modules": fp32_module_names(trainer.accelerator.unwrap_model(trainer.model)) if scaler else [],
         # the dtypes the model's trainable weights are held in (elements per dtype): FP16 weights show here
         "trainable_param_dtypes": trainable_dtypes(trainer.model),
+        # the machine behind the run's timings: the CPU's model name and cores, and the GPU if one ran
+        "processor": cpu_name(),
+        "gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else None,
         "world_size": args.world_size,
         "gradient_accumulation_steps": args.gradient_accumulation_steps,
         "per_device_train_batch_size": args.per_device_train_batch_size,

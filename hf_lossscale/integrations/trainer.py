@@ -18,7 +18,7 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer import SCALER_NAME, TRAINER_STATE_NAME
 
 from ..core.config import LossScaleConfig, resolve_config
-from ..core.events import EVENT_LOG_NAME
+from ..core.events import EVENT_LOG_NAME, strict_json
 from ..core.scaler import DynamicLossScaler
 from ..fp16.fp32_modules import run_in_fp32
 from .accelerate_hook import effective_mixed_precision, install_loss_scaler
@@ -250,6 +250,56 @@ def check_deepspeed_fp16(config: LossScaleConfig, fp16_section: dict[str, Any]) 
     return differing + missing
 
 
+def _refuse_setting_keywords(kwargs: dict[str, Any], args_given: Any) -> None:
+    """`LossScaleTrainer(..., loss_scale_init=...)`: a `LossScaleTrainingArguments` field given to the
+    trainer. Refused with the two ways that work (the Trainer's own error names neither)."""
+    given = [k for k in kwargs if k.startswith("loss_scale_")]
+    if not given:
+        return
+    known = [k for k in given if k in ARG_TO_FIELD]
+    config = ", ".join(f"{ARG_TO_FIELD[k]}={kwargs[k]!r}" for k in known) or "..."
+    fields = ", ".join(f"{k}={kwargs[k]!r}" for k in known) or "..."
+    plain = args_given is not None and not isinstance(args_given, LossScaleTrainingArguments)
+    unknown = sorted(set(given) - set(known))
+    raise TypeError(
+        f"LossScaleTrainer got {', '.join(given)} as keyword argument(s): "
+        + (f"{unknown} are not loss-scale settings ({sorted(ARG_TO_FIELD)} are). " if unknown else "")
+        + "The settings are fields of `LossScaleTrainingArguments`, not of the trainer"
+        + (" (these args are plain `TrainingArguments`)" if plain else "")
+        + f". Either pass `args=LossScaleTrainingArguments(..., {fields})`, or keep your "
+        f"TrainingArguments and pass `loss_scale_config=LossScaleConfig({config})`."
+    )
+
+
+#: What `DynamicLossScaler.load_state_dict` warns about the config (the resume's one line replaces it).
+_LOAD_CONFIG_WARNINGS = (
+    "Restored from the loss-scaler state",
+    "Loaded loss-scaler state was written with a different config",
+    "GradScaler state has",
+)
+
+
+def _config_differences(state: dict[str, Any], current: LossScaleConfig) -> str:
+    """`field now (checkpoint was)` for each setting of `current` that differs from the checkpoint's
+    (our state's `config`, or the fields a torch GradScaler state carries); "" when none does."""
+    saved = state.get("config")
+    if not isinstance(saved, dict):
+        saved = {k: state[k] for k in ("growth_factor", "backoff_factor", "growth_interval") if k in state}
+    now = current.to_dict()
+    now.pop("init_scale")  # a resumed scaler starts from the checkpoint's scale, whatever the setting
+    return ", ".join(
+        f"{k} {_shown(now[k])} (checkpoint {_shown(v)})"
+        for k, v in sorted(saved.items())
+        if k in now and now[k] != v
+    )
+
+
+def _is_training_log(logs: dict[str, Any]) -> bool:
+    """A training log (the Trainer's `loss` every `logging_steps`), not an evaluation's metrics
+    (`eval_loss`, `<prefix>_runtime`) nor the end-of-training summary (`train_loss`, `train_runtime`)."""
+    return "loss" in logs and not any(k.endswith("_runtime") for k in logs)
+
+
 def deepspeed_scale_figures(engine: Any) -> dict[str, float]:
     """`loss_scale` and `skipped_steps` of a DeepSpeed engine, under our log names (empty if absent)."""
     out: dict[str, float] = {}
@@ -300,10 +350,11 @@ class LossScaleMixin:
             raise TypeError(
                 f"loss_scale_config must be a LossScaleConfig, got {type(loss_scale_config).__name__}."
             )
+        _refuse_setting_keywords(kwargs, args_given=kwargs.get("args", args[1] if len(args) > 1 else None))
         self._loss_scale_config = loss_scale_config
         self._loss_scale_fresh = loss_scale_fresh_on_resume
         self.loss_scaler: DynamicLossScaler | None = None
-        self._last_logged_counts = (0, 0)
+        self._last_logged_counts = (0, 0, 0)  # total, skipped, non-finite-loss steps at the last training log
         #: The telemetry snapshots read at the current log step (`param_grads`, `activation_grads`),
         #: for callbacks such as `LossScaleTensorBoardCallback`; None between log steps.
         self.latest_telemetry: dict[str, dict[str, Any]] | None = None
@@ -370,34 +421,68 @@ class LossScaleMixin:
         return optimizer
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
-        if self.loss_scaler is None and self.accelerator.distributed_type == DistributedType.DEEPSPEED:
-            logs.update(deepspeed_scale_figures(self.model_wrapped))
-        if self.loss_scaler is not None:
-            stats = self.loss_scaler.stats()
-            last_total, last_skipped = self._last_logged_counts
-            steps = stats["total_steps"] - last_total
-            skipped = stats["skipped_steps"] - last_skipped
-            logs["loss_scale"] = stats["loss_scale"]
-            logs["skipped_steps"] = stats["skipped_steps"]
-            logs["nonfinite_loss_steps"] = stats["nonfinite_loss_steps"]
-            logs["overflow_rate"] = skipped / steps if steps > 0 else 0.0
-            # 1.0 when FP16 was emulated on the CPU: such figures are not GPU measurements.
-            logs["fp16_emulated"] = float(getattr(self.accelerator, "hf_lossscale_fp16", "") == "emulated")
-            self._last_logged_counts = (stats["total_steps"], stats["skipped_steps"])
-            telemetry = self.loss_scaler.telemetry.read(only_new=True)
-            if telemetry is not None:
-                logs["grad_zero_frac"] = telemetry["zero_frac"]
-                logs["grad_subnormal_frac"] = telemetry["subnormal_frac"]
-                logs["headroom_bits"] = telemetry["headroom_bits"]
-            probe = self.activation_probe.read() if self.activation_probe is not None else None
-            if probe is not None:
-                logs["act_grad_lost_frac"] = probe["lost_frac"]
-            snapshots = {"param_grads": telemetry, "activation_grads": probe}
-            self.latest_telemetry = {k: v for k, v in snapshots.items() if v is not None} or None
+        """The Trainer's log, with the loss-scale figures on training logs only: an evaluation or
+        the end-of-training summary gets none of them and leaves the "since the last log" window
+        (`overflow_rate`, the telemetry snapshot) to the next training log. Non-finite numbers go
+        to every `report_to` backend and `trainer_state.json` as None (JSON `null`)."""
+        if _is_training_log(logs):
+            if self.loss_scaler is None and self.accelerator.distributed_type == DistributedType.DEEPSPEED:
+                logs.update(deepspeed_scale_figures(self.model_wrapped))
+            if self.loss_scaler is not None:
+                self._add_loss_scale_figures(logs)
+        logs.update(strict_json(logs))  # in place: evaluate() returns this dict as its metrics
         try:
             super().log(logs, *args, **kwargs)  # the callbacks' on_log sees latest_telemetry
         finally:
             self.latest_telemetry = None
+
+    def _add_loss_scale_figures(self, logs: dict[str, Any]) -> None:
+        stats = self.loss_scaler.stats()
+        last_total, last_skipped, last_nonfinite = self._last_logged_counts
+        steps = stats["total_steps"] - last_total
+        skipped = stats["skipped_steps"] - last_skipped
+        nonfinite = stats["nonfinite_loss_steps"] - last_nonfinite
+        logs["loss_scale"] = stats["loss_scale"]
+        logs["skipped_steps"] = stats["skipped_steps"]
+        logs["nonfinite_loss_steps"] = stats["nonfinite_loss_steps"]
+        logs["overflow_rate"] = skipped / steps if steps > 0 else 0.0
+        # 1.0 when FP16 was emulated on the CPU: such figures are not GPU measurements.
+        logs["fp16_emulated"] = float(getattr(self.accelerator, "hf_lossscale_fp16", "") == "emulated")
+        self._last_logged_counts = (
+            stats["total_steps"],
+            stats["skipped_steps"],
+            stats["nonfinite_loss_steps"],
+        )
+        if "loss" in logs:
+            # Steps whose loss was non-finite, in the window this loss averages.
+            logs["loss_nonfinite_in_window"] = nonfinite
+            if nonfinite and self.args.logging_nan_inf_filter:
+                logger.warning(
+                    "hf_lossscale: the loss logged at step %d averages %d optimizer step(s) whose loss was "
+                    "non-finite; transformers' logging_nan_inf_filter counted each as the mean of the steps "
+                    "before it in the window (0 when it came first), so the figure is not their loss "
+                    "(`loss_nonfinite_in_window` counts them; logging_nan_inf_filter=False logs NaN/inf).",
+                    self.state.global_step, nonfinite,
+                )  # fmt: skip
+        telemetry = self.loss_scaler.telemetry.read(only_new=True)
+        if telemetry is not None:
+            # The optimizer step the snapshot was measured at (the scaler counts one iteration per
+            # optimizer step; the snapshot's `step` is the iteration before its update).
+            telemetry["global_step"] = (
+                self.state.global_step - self.loss_scaler.iteration + telemetry["step"] + 1
+            )
+            logs["grad_telemetry_step"] = telemetry["global_step"]
+            # Zeros in rows that received a gradient (where underflow shows) apart from rows that
+            # received none (embedding rows of tokens not in the batch, unused parameters).
+            logs["grad_zero_frac"] = telemetry["touched_zero_frac"]
+            logs["grad_untouched_frac"] = telemetry["untouched_frac"]
+            logs["grad_subnormal_frac"] = telemetry["subnormal_frac"]
+            logs["headroom_bits"] = telemetry["headroom_bits"]
+        probe = self.activation_probe.read() if self.activation_probe is not None else None
+        if probe is not None:
+            logs["act_grad_lost_frac"] = probe["lost_frac"]
+        snapshots = {"param_grads": telemetry, "activation_grads": probe}
+        self.latest_telemetry = {k: v for k, v in snapshots.items() if v is not None} or None
 
     # ------------------------------------------------------------------ training
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
@@ -433,17 +518,40 @@ class LossScaleMixin:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as err:  # truncated, corrupted, not a torch file
             return self._no_scaler_state(f"Cannot read the loss-scaler state {path}: {err}.")
+        current = scaler.config  # what the user passes now: it wins over the checkpoint's config
         try:
-            scaler.load_state_dict(state)
+            with warnings.catch_warnings():
+                # load_state_dict's own config warnings (torch's fields restored; fields that differ):
+                # the one line below replaces them
+                for message in _LOAD_CONFIG_WARNINGS:
+                    warnings.filterwarnings("ignore", message=message)
+                scaler.load_state_dict(state)
         except ValueError as err:
             return self._no_scaler_state(f"Invalid loss-scaler state in {path}: {err}")
+        # `load_state_dict` restores growth_factor, backoff_factor and growth_interval from the state,
+        # as torch's GradScaler does; a resumed run takes every field from this run's settings.
+        for name, setter in (("growth_factor", scaler.set_growth_factor),
+                             ("backoff_factor", scaler.set_backoff_factor),
+                             ("growth_interval", scaler.set_growth_interval)):  # fmt: skip
+            if getattr(scaler.config, name) != getattr(current, name):
+                setter(getattr(current, name))
+        differs = _config_differences(state, current)
+        if differs:
+            logger.warning(
+                "hf_lossscale: resumed the loss scaler from %s: scale, trackers and counters from the checkpoint, "
+                "every setting from this run; differing from the checkpoint: %s.", path, differs,
+            )  # fmt: skip
         if scaler.state.fp32_modules:  # what "auto" moved to FP32 before the checkpoint stays there
             run_in_fp32(
                 self.accelerator.unwrap_model(self.model), scaler.state.fp32_modules, include_model_own=False
             )
         # `overflow_rate` counts from the checkpoint on, as the uninterrupted run does.
         stats = scaler.stats()
-        self._last_logged_counts = (stats["total_steps"], stats["skipped_steps"])
+        self._last_logged_counts = (
+            stats["total_steps"],
+            stats["skipped_steps"],
+            stats["nonfinite_loss_steps"],
+        )
 
     def _no_scaler_state(self, problem: str) -> None:
         if self._fresh_on_resume:
