@@ -236,6 +236,14 @@ def test_mismatch_drift_is_a_slope_per_100_steps_and_warns_only_on_growth():
     )
     with pytest.raises(ValueError, match="growth"):
         MismatchDrift(growth=1.0)
+    # the shape every run has (all 9 runs of grpo_addition_cpu, FP32 included): k3 from ~0 at
+    # initialization to rounding level as the policy sharpens; growing only where it ends >= min_value
+    noise, real = MismatchDrift(min_steps=4), MismatchDrift(min_steps=4)
+    for step in range(40):
+        noise.update(step, 1e-11 + 2.5e-11 * step)
+        real.update(step, 1e-6 + 2.5e-6 * step)
+    assert noise.summary()["slope_per_100_steps"] > 0 and not noise.summary()["growing"]
+    assert real.summary()["growing"] and real.summary()["fitted_end"] >= 1e-5
 
 
 def test_grpo_trains_a_policy_held_in_fp16_on_masters(tmp_path):

@@ -357,29 +357,35 @@ class MismatchDrift:
     per 100 steps, over every step seen so far, and whether it is growing.
 
     It is growing when at least `min_steps` steps are in, the slope is positive at `min_t` standard
-    errors or more, and the fitted line at the last step is at least `growth` times its value at the
-    first (verl #7519 watched k3 KL grow 3.1x over 32 steps before a collapse).
+    errors or more, the fitted line at the last step is at least `growth` times its value at the
+    first (verl #7519 watched k3 KL grow 3.1x over 32 steps before a collapse), and it ends at
+    `min_value` or more: a mismatch at rounding level (k3 ~1e-9 in FP32) that grows from ~0 at
+    initialization, as every policy's does while it sharpens, is not a warning.
 
     Args:
         min_steps (`int`, defaults to 20): steps needed before it judges.
         growth (`float`, defaults to 2.0): the end/start ratio of the fitted line that counts as growth.
         min_t (`float`, defaults to 3.0): the slope's t-statistic that counts as a trend, not noise.
+        min_value (`float`, defaults to 1e-5): the fitted end value below which nothing is growing (k3
+            KL 1e-5 is |Δ log p| of about 0.005 per token).
 
     Example:
         ```python
         drift = MismatchDrift(min_steps=4)
-        for step, k3 in [(0, 1.0), (10, 2.0), (20, 3.0), (30, 4.0)]:
+        for step, k3 in [(0, 1e-4), (10, 2e-4), (20, 3e-4), (30, 4e-4)]:
             drift.update(step, k3)
-        drift.summary()["slope_per_100_steps"]  # 10.0
+        drift.summary()["slope_per_100_steps"]  # 1e-3
         ```
     """
 
-    def __init__(self, min_steps: int = 20, growth: float = 2.0, min_t: float = 3.0) -> None:
+    def __init__(
+        self, min_steps: int = 20, growth: float = 2.0, min_t: float = 3.0, min_value: float = 1e-5
+    ) -> None:
         if min_steps < 3:
             raise ValueError(f"min_steps must be >= 3 (a slope and its error), got {min_steps}.")
         if growth <= 1.0:
             raise ValueError(f"growth must be > 1 (an end/start ratio), got {growth}.")
-        self.min_steps, self.growth, self.min_t = min_steps, growth, min_t
+        self.min_steps, self.growth, self.min_t, self.min_value = min_steps, growth, min_t, min_value
         self.steps: list[float] = []
         self.values: list[float] = []
 
@@ -404,7 +410,7 @@ class MismatchDrift:
         stderr = (residual / (n - 2) / sxx) ** 0.5 if n > 2 else float("inf")
         start, end = intercept + slope * self.steps[0], intercept + slope * self.steps[-1]
         trend = slope > 0 and (stderr == 0 or slope / stderr >= self.min_t)
-        grew = end >= self.growth * start if start > 0 else end > 0
+        grew = (end >= self.growth * start if start > 0 else end > 0) and end >= self.min_value
         return {"slope_per_100_steps": 100 * slope, "stderr_per_100_steps": 100 * stderr, "fitted_start": start,
                 "fitted_end": end, "steps": n, "growing": bool(n >= self.min_steps and trend and grew)}  # fmt: skip
 
