@@ -418,9 +418,17 @@ def _on_new_gradient(pair_ref: weakref.ref, grad_outputs: tuple) -> None:
     """A backward is about to accumulate into an FP16 parameter whose `.grad` is a marker: the marker
     goes (the new FP16 gradient is collected from zero) and `_fold_on_top` adds it onto the master's."""
     pair = pair_ref()
-    if pair is not None and isinstance(pair.half.grad, GradientInMaster):
-        pair.on_top = pair.marker_is(pair.half.grad)  # else another optimizer's, gone or going
+    grad = pair.half.grad if pair is not None else None
+    if not isinstance(grad, GradientInMaster):
+        return
+    owner = grad.__dict__.get("_hf_pair")
+    owner = owner() if owner is not None else None
+    if owner is pair:
+        pair.on_top = True
         pair.half.grad = None
+    elif owner is None or not owner.marker_is(grad):  # an orphan (its optimizer is gone): dropped
+        pair.half.grad = None
+    # else the marker of another live optimizer over this parameter: its own hook takes it
 
 
 def _fold_on_top(pair_ref: weakref.ref, half: torch.Tensor) -> None:
