@@ -161,3 +161,12 @@ def test_training_arguments_follow_the_config_field_by_field():
         assert help_text.startswith(target.metadata["help"]), arg
         assert f"(default {_shown(target.default)}" in help_text, arg
         assert getattr(LossScaleConfig(), name) == target.default  # the help's default is the one in force
+
+
+def test_a_huge_value_is_quoted_capped_in_the_error():
+    """Issue 47: a value quoted in a config error is capped (a 2-MB string gave a 2-MB message)."""
+    from hf_lossscale import LossScaleConfig
+
+    with pytest.raises(ValueError, match=r"\(2000002 characters\) is not one of") as err:
+        LossScaleConfig(mode="x" * 2_000_000)
+    assert len(str(err.value)) < 400

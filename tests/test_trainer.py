@@ -142,6 +142,9 @@ def test_missing_or_corrupt_scaler_state_is_refused(tmp_path):
         RuntimeError, match=r"Cannot read the loss-scaler state .*scaler\.pt.*loss_scale_fresh_on_resume"
     ):
         train(tmp_path, resume=str(ckpt), max_steps=8, save_strategy="no")
+    (ckpt / "scaler.pt").write_bytes(b"")  # an empty file: torch raises EOFError with no message
+    with pytest.raises(RuntimeError, match=r"scaler\.pt: EOFError \(the file is 0 bytes\)"):
+        train(tmp_path, resume=str(ckpt), max_steps=8, save_strategy="no")
     (ckpt / "scaler.pt").unlink()
     with pytest.raises(RuntimeError, match=r"holds no loss-scaler state.*silently reset"):
         train(tmp_path, resume=str(ckpt), max_steps=8, save_strategy="no")

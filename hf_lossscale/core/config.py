@@ -34,6 +34,13 @@ AT_MIN_SCALE = ("raise", "warn", "clamp")
 #: The `fp32_modules` entry that lets a diagnosed forward overflow add its origin module.
 AUTO = "auto"
 
+def _q(value: Any, limit: int = 120) -> str:
+    """`repr(value)`, capped: a value quoted in an error stays readable whatever its size (a YAML alias
+    expansion, a file read by mistake)."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 #: The scales a config accepts: FP32's normal range, where a scale and its reciprocal are finite.
 SCALE_MIN = 2.0**-126
 SCALE_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max, spelled out: this module is torch-free
@@ -232,19 +239,19 @@ class LossScaleConfig:
         """Check every field; raise `ValueError` naming the field, the value and the allowed range."""
         _normalise_numbers(self)
         if not isinstance(self.mode, str) or self.mode not in MODES:
-            raise ValueError(f"LossScaleConfig.mode={self.mode!r} is not one of {MODES}.")
+            raise ValueError(f"LossScaleConfig.mode={_q(self.mode)} is not one of {MODES}.")
         for name in ("init_scale", "min_scale", "max_scale"):
             value = getattr(self, name)
             if not _is_number(value) or not math.isfinite(value) or value <= 0:
                 raise ValueError(
-                    f"LossScaleConfig.{name}={value!r} must be a finite number > 0.{_number_hint(value)}"
+                    f"LossScaleConfig.{name}={_q(value)} must be a finite number > 0.{_number_hint(value)}"
                 )
             if not (SCALE_MIN <= value <= SCALE_MAX):
                 # below FP32's smallest normal number the reciprocal used to unscale overflows to inf
                 # (clean gradients would unscale to inf and be stepped); above FP32's largest the scale
                 # itself is inf and every step is skipped
                 raise ValueError(
-                    f"LossScaleConfig.{name}={value!r} is outside FP32's normal range "
+                    f"LossScaleConfig.{name}={_q(value)} is outside FP32's normal range "
                     f"[2**-126, FP32 max] = [{SCALE_MIN!r}, {SCALE_MAX!r}], where the scale and its "
                     "reciprocal are both finite FP32 numbers."
                 )
@@ -252,13 +259,13 @@ class LossScaleConfig:
         gf = self.growth_factor
         if not _is_number(gf) or not math.isfinite(gf) or gf <= 1:
             raise ValueError(
-                f"LossScaleConfig.growth_factor={gf!r} must be a finite number > 1.{_number_hint(gf)}"
+                f"LossScaleConfig.growth_factor={_q(gf)} must be a finite number > 1.{_number_hint(gf)}"
             )
         self.growth_factor = float(gf)
         bf = self.backoff_factor
         if not _is_number(bf) or not (0 < bf < 1):
             raise ValueError(
-                f"LossScaleConfig.backoff_factor={bf!r} must be a number in the open interval (0, 1).{_number_hint(bf)}"
+                f"LossScaleConfig.backoff_factor={_q(bf)} must be a number in the open interval (0, 1).{_number_hint(bf)}"
             )
         self.backoff_factor = float(bf)
         for name in ("growth_interval", "hysteresis"):
@@ -266,36 +273,36 @@ class LossScaleConfig:
             if not _is_int(value) or not (1 <= value <= INT32_MAX):
                 # the trackers are int32 device tensors: beyond 2**31 - 1 the comparison wraps
                 raise ValueError(
-                    f"LossScaleConfig.{name}={value!r} must be an integer in [1, 2**31 - 1] "
+                    f"LossScaleConfig.{name}={_q(value)} must be an integer in [1, 2**31 - 1] "
                     "(its tracker is an int32 on the device)."
                 )
         if not isinstance(self.consecutive_hysteresis, bool):
             raise ValueError(
-                f"LossScaleConfig.consecutive_hysteresis={self.consecutive_hysteresis!r} "
+                f"LossScaleConfig.consecutive_hysteresis={_q(self.consecutive_hysteresis)} "
                 "must be True or False."
             )
         mcs = self.max_consecutive_skips
         if mcs is not None and (not _is_int(mcs) or not (1 <= mcs <= INT64_MAX)):
             raise ValueError(
-                f"LossScaleConfig.max_consecutive_skips={mcs!r} must be an integer in [1, 2**63 - 1], "
+                f"LossScaleConfig.max_consecutive_skips={_q(mcs)} must be an integer in [1, 2**63 - 1], "
                 "or None to disable the collapse check."
             )
         ti = self.telemetry_interval
         if not _is_int(ti) or not (0 <= ti <= INT64_MAX):
             raise ValueError(
-                f"LossScaleConfig.telemetry_interval={ti!r} must be an integer >= 0 (0 disables)."
+                f"LossScaleConfig.telemetry_interval={_q(ti)} must be an integer >= 0 (0 disables)."
             )
         if not isinstance(self.fp16_on_cpu, str) or self.fp16_on_cpu not in FP16_ON_CPU:
-            raise ValueError(f"LossScaleConfig.fp16_on_cpu={self.fp16_on_cpu!r} is not one of {FP16_ON_CPU}.")
+            raise ValueError(f"LossScaleConfig.fp16_on_cpu={_q(self.fp16_on_cpu)} is not one of {FP16_ON_CPU}.")
         if not isinstance(self.backoff_on_nonfinite_loss, bool):
             raise ValueError(
-                f"LossScaleConfig.backoff_on_nonfinite_loss={self.backoff_on_nonfinite_loss!r} "
+                f"LossScaleConfig.backoff_on_nonfinite_loss={_q(self.backoff_on_nonfinite_loss)} "
                 "must be True or False."
             )
         self.fp32_modules = _module_patterns(self.fp32_modules)
         ma = self.max_auto_fp32_modules
         if not _is_int(ma) or not (1 <= ma <= INT64_MAX):
-            raise ValueError(f"LossScaleConfig.max_auto_fp32_modules={ma!r} must be an integer >= 1.")
+            raise ValueError(f"LossScaleConfig.max_auto_fp32_modules={_q(ma)} must be an integer >= 1.")
         mw = self.master_weights
         if isinstance(mw, str) and mw.strip().lower() in ("true", "on", "1", "yes"):
             self.master_weights = True
@@ -304,24 +311,24 @@ class LossScaleConfig:
         elif isinstance(mw, str) and mw.strip().lower() == "auto":
             self.master_weights = "auto"
         elif not isinstance(mw, bool):
-            raise ValueError(f"LossScaleConfig.master_weights={mw!r} must be 'auto', True or False.")
+            raise ValueError(f"LossScaleConfig.master_weights={_q(mw)} must be 'auto', True or False.")
         if not isinstance(self.at_min_scale, str) or self.at_min_scale not in AT_MIN_SCALE:
             raise ValueError(
-                f"LossScaleConfig.at_min_scale={self.at_min_scale!r} is not one of {AT_MIN_SCALE}."
+                f"LossScaleConfig.at_min_scale={_q(self.at_min_scale)} is not one of {AT_MIN_SCALE}."
             )
         fe = self.floor_event_steps
         if not _is_int(fe) or not (0 <= fe <= INT64_MAX):
             raise ValueError(
-                f"LossScaleConfig.floor_event_steps={fe!r} must be an integer >= 0 (0 disables)."
+                f"LossScaleConfig.floor_event_steps={_q(fe)} must be an integer >= 0 (0 disables)."
             )
         if self.min_scale > self.max_scale:
             raise ValueError(
-                f"LossScaleConfig.min_scale={self.min_scale!r} is above "
+                f"LossScaleConfig.min_scale={_q(self.min_scale)} is above "
                 f"max_scale={self.max_scale!r}; need min_scale <= max_scale."
             )
         if not (self.min_scale <= self.init_scale <= self.max_scale):
             raise ValueError(
-                f"LossScaleConfig.init_scale={self.init_scale!r} is outside "
+                f"LossScaleConfig.init_scale={_q(self.init_scale)} is outside "
                 f"[min_scale, max_scale] = [{self.min_scale!r}, {self.max_scale!r}]."
             )
 
@@ -448,7 +455,7 @@ def _module_patterns(value: Any) -> tuple[str, ...]:
     items = value.split(",") if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)) or not all(isinstance(v, str) for v in items):
         raise ValueError(
-            f"LossScaleConfig.fp32_modules={value!r} must be module-name patterns: a list of strings, "
+            f"LossScaleConfig.fp32_modules={_q(value)} must be module-name patterns: a list of strings, "
             "or one string of comma-separated names ('auto' for diagnosed forward-overflow origins)."
         )
     out = tuple(dict.fromkeys(v.strip() for v in items if v.strip()))
@@ -627,7 +634,7 @@ def _parse_env_value(name: str, var: str, raw: str) -> Any:
         )
         if "None" in kind:
             expected += " or none"
-        raise ValueError(f"Environment variable {var}={raw!r}: expected {expected}.") from None
+        raise ValueError(f"Environment variable {var}={_q(raw)}: expected {expected}.") from None
 
 
 def config_from_env(environ: dict[str, str] | None = None) -> dict[str, Any]:

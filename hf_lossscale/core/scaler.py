@@ -77,8 +77,10 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
     Args:
         config (`LossScaleConfig`, *optional*): the configuration; defaults to `LossScaleConfig()`. A
             device string or `torch.device` here is torch's first argument, the device.
-        init_scale, growth_factor, backoff_factor, growth_interval (*optional*): torch's arguments, in
-            torch's order: config fields, over `config`.
+        init_scale (`float`, *optional*): torch's second argument: the config field, over `config`.
+        growth_factor (`float`, *optional*): torch's third argument, likewise.
+        backoff_factor (`float`, *optional*): torch's fourth argument, likewise.
+        growth_interval (`int`, *optional*): torch's fifth argument, likewise.
         device (`str` or `torch.device`, *optional*):
             where the state lives. `None` takes the device of the first tensor given to `scale()`.
             A CUDA device on a machine without CUDA is an error.

@@ -142,9 +142,9 @@ def untouched_elements(tensor: torch.Tensor) -> torch.Tensor:
     entirety counts here too; single flushed elements among nonzero ones do not.) A 0-d tensor on
     the device: no sync."""
     x = tensor.detach()
-    rows = x.reshape(x.shape[0], -1) if x.dim() >= 2 else x.reshape(1, -1)
-    if rows.numel() == 0:
+    if x.numel() == 0:  # an empty tensor (a rank's empty FSDP2 shard) has no rows to count
         return torch.zeros((), dtype=torch.int64, device=x.device)
+    rows = x.reshape(x.shape[0], -1) if x.dim() >= 2 else x.reshape(1, -1)
     return (torch.count_nonzero(rows, dim=1) == 0).sum() * rows.shape[1]
 
 

@@ -517,7 +517,8 @@ class LossScaleMixin:
         try:
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as err:  # truncated, corrupted, not a torch file
-            return self._no_scaler_state(f"Cannot read the loss-scaler state {path}: {err}.")
+            reason = str(err).strip() or f"{type(err).__name__} (the file is {os.path.getsize(path)} bytes)"
+            return self._no_scaler_state(f"Cannot read the loss-scaler state {path}: {reason}.")
         current = scaler.config  # what the user passes now: it wins over the checkpoint's config
         try:
             with warnings.catch_warnings():
