@@ -257,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="The short CI version; writes no results file.")
     parser.add_argument("--print", action="store_true", help="Print the command and exit.")
     parser.add_argument(
-        "--write", action="store_true", help="With `table`: update README.md's results block."
+        "--write", action="store_true", help="With `table`: update the results blocks (benchmarks/reproduce/README.md, docs/benchmarks.md, docs/master-weights.md)."
     )
     parser.add_argument("--reuse_finished", action="store_true",
                         help="Passed to hf-lossscale compare: keep runs already finished with the same command.")  # fmt: skip
@@ -269,10 +269,9 @@ def main(argv: list[str] | None = None) -> int:
         tables = render_tables(RESULTS)
         if opts.write:
             write_readme(HERE / "README.md", tables)
-            for page in (ROOT / "README.md", ROOT / "docs" / "benchmarks.md"):
-                write_readme(page, render_headline(RESULTS), *HEADLINE)
-            write_readme(ROOT / "README.md", render_masters(RESULTS), *MASTERS)
-            print(f"Updated {HERE / 'README.md'}, {ROOT / 'README.md'} and {ROOT / 'docs' / 'benchmarks.md'}")
+            write_readme(ROOT / "docs" / "benchmarks.md", render_headline(RESULTS), *HEADLINE)
+            write_readme(ROOT / "docs" / "master-weights.md", render_masters(RESULTS), *MASTERS)
+            print(f"Updated {HERE / 'README.md'}, {ROOT / 'docs' / 'benchmarks.md'} and {ROOT / 'docs' / 'master-weights.md'}")
         else:
             print(tables)
         return 0
