@@ -257,7 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="The short CI version; writes no results file.")
     parser.add_argument("--print", action="store_true", help="Print the command and exit.")
     parser.add_argument(
-        "--write", action="store_true", help="With `table`: update the results blocks (benchmarks/reproduce/README.md, docs/benchmarks.md, docs/master-weights.md)."
+        "--write",
+        action="store_true",
+        help="With `table`: update the results blocks (benchmarks/reproduce/README.md, docs/benchmarks.md, docs/master-weights.md).",
     )
     parser.add_argument("--reuse_finished", action="store_true",
                         help="Passed to hf-lossscale compare: keep runs already finished with the same command.")  # fmt: skip
@@ -271,7 +273,9 @@ def main(argv: list[str] | None = None) -> int:
             write_readme(HERE / "README.md", tables)
             write_readme(ROOT / "docs" / "benchmarks.md", render_headline(RESULTS), *HEADLINE)
             write_readme(ROOT / "docs" / "master-weights.md", render_masters(RESULTS), *MASTERS)
-            print(f"Updated {HERE / 'README.md'}, {ROOT / 'docs' / 'benchmarks.md'} and {ROOT / 'docs' / 'master-weights.md'}")
+            print(
+                f"Updated {HERE / 'README.md'}, {ROOT / 'docs' / 'benchmarks.md'} and {ROOT / 'docs' / 'master-weights.md'}"
+            )
         else:
             print(tables)
         return 0
