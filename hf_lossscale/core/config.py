@@ -34,6 +34,7 @@ AT_MIN_SCALE = ("raise", "warn", "clamp")
 #: The `fp32_modules` entry that lets a diagnosed forward overflow add its origin module.
 AUTO = "auto"
 
+
 def _q(value: Any, limit: int = 120) -> str:
     """`repr(value)`, capped: a value quoted in an error stays readable whatever its size (a YAML alias
     expansion, a file read by mistake)."""
@@ -293,7 +294,9 @@ class LossScaleConfig:
                 f"LossScaleConfig.telemetry_interval={_q(ti)} must be an integer >= 0 (0 disables)."
             )
         if not isinstance(self.fp16_on_cpu, str) or self.fp16_on_cpu not in FP16_ON_CPU:
-            raise ValueError(f"LossScaleConfig.fp16_on_cpu={_q(self.fp16_on_cpu)} is not one of {FP16_ON_CPU}.")
+            raise ValueError(
+                f"LossScaleConfig.fp16_on_cpu={_q(self.fp16_on_cpu)} is not one of {FP16_ON_CPU}."
+            )
         if not isinstance(self.backoff_on_nonfinite_loss, bool):
             raise ValueError(
                 f"LossScaleConfig.backoff_on_nonfinite_loss={_q(self.backoff_on_nonfinite_loss)} "
