@@ -641,3 +641,20 @@ def test_a_replay_that_fails_says_so_keeps_its_budget_and_replays_at_the_steps_o
     )
     assert diagnosis.backward_replays == 0  # the budget is kept for a replay that can run
     assert scales == [1.0]  # the step ran at 1 (the floor), not 2
+
+
+def test_preflight_prints_its_verdict_when_the_model_is_clean():
+    """Issue 48: the pre-flight table ends in a verdict, also when nothing is wrong (it printed only the
+    facts, and a clean model's reader had to infer that it was clean)."""
+    from hf_lossscale.fp16.preflight import format_preflight
+
+    module = {"type": "Linear", "act_max": 3.0, "act_margin_bits": 14.4, "grad_max": 1e-3, "grad_min": 1e-9,
+              "grad_top_margin_bits": 26.0, "grad_bottom_margin_bits": -6.0, "status": "ok"}  # fmt: skip
+    result = {"modules": {"fc": module}, "suggested_init_scale": 2.0**16, "overflow_in_fp16": [],
+              "overflow_outside_modules": False, "near_bits": 2.0, "suggested_fp32_modules": [],
+              "grad_max": 1e-3, "margin_bits": 3}  # fmt: skip
+    assert "**Verdict: clean: FP16 runs this model as it is; start the scale at 2^16.**" in format_preflight(
+        result
+    )
+    result["modules"]["fc"] = {**module, "status": "overflows", "act_max": 7e4, "act_margin_bits": -0.1}
+    assert "**Verdict: FP16 overflows" in format_preflight(result)

@@ -212,7 +212,17 @@ def format_preflight(r: dict[str, Any], rows: int = 12) -> str:
     origins = ", ".join(
         f"`{o['origin']}` ({o['module_type']})" for o in r["overflow_in_fp16"] if o.get("origin")
     )
+    if over or origins or r.get("overflow_outside_modules"):
+        verdict = "FP16 overflows in this model's forward: move the modules below to FP32 (or 'auto')."
+    elif near:
+        verdict = (
+            f"FP16 runs, but {len(near)} module(s) come within {r['near_bits']:g} bits of 65504: watch them."
+        )
+    else:
+        verdict = f"clean: FP16 runs this model as it is; start the scale at 2^{k}."
     lines += [
+        "",
+        f"**Verdict: {verdict}**",
         "",
         f"- Activations above 65504 in FP32: {len(over)} module(s){': ' + ', '.join(over) if over else ''}.",
         f"- Within {r['near_bits']:g} bits of 65504: {len(near)} module(s){': ' + ', '.join(near) if near else ''}.",
