@@ -13,6 +13,7 @@ import weakref
 
 import pytest
 import torch
+from master_twin import _NaNGrad
 
 from hf_lossscale import DynamicLossScaler
 
@@ -205,16 +206,6 @@ def test_telemetry_every_step_snapshots_every_step():
     assert steps == [0, 1, 2]
 
 
-class _InfGrad(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        return g + float("inf")
-
-
 def test_overflow_reports_name_the_model_parameters():
     """Row 8: after `set_parameter_names(model)` an overflow is reported as `2.weight`, as with FP32
     weights. Before: `param_groups[0].params[2] (shape (1, 8))` (the names were keyed by the FP16
@@ -225,7 +216,7 @@ def test_overflow_reports_name_the_model_parameters():
         opt = torch.optim.SGD(model.parameters(), lr=0.01)
         scaler = DynamicLossScaler(init_scale=2.0**8)
         scaler.set_parameter_names(model)
-        loss = _loss(model, 0) + _InfGrad.apply(model[2].weight).float().sum() * 0  # its gradient overflows
+        loss = _loss(model, 0) + _NaNGrad.apply(model[2].weight).float().sum() * 0  # its gradient overflows
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
@@ -441,9 +432,15 @@ def test_the_trainer_with_accumulation_skips_a_step_with_one_nonfinite_micro_bat
 
 
 def _accelerator():
+    """A fresh accelerator (Accelerate's process-wide state reset first) with our scaler installed."""
     from accelerate import Accelerator
+    from accelerate.state import AcceleratorState, GradientState, PartialState
 
     from hf_lossscale import LossScaleConfig, install_loss_scaler
+
+    AcceleratorState._reset_state(True)
+    GradientState._reset_state()
+    PartialState._reset_state()
 
     accelerator = Accelerator(mixed_precision="fp16", cpu=True)
     scaler = install_loss_scaler(accelerator, LossScaleConfig(init_scale=2.0**8))
@@ -507,25 +504,11 @@ def test_accelerate_save_state_and_load_state_resume_an_fp16_model_with_its_mast
     full, opt = accelerator.prepare(full, torch.optim.AdamW(full.parameters(), lr=1e-3))
     run(full, opt, accelerator, range(4))
 
-    from accelerate.state import AcceleratorState, GradientState, PartialState
-
-    for reset in (
-        lambda: AcceleratorState._reset_state(True),
-        GradientState._reset_state,
-        PartialState._reset_state,
-    ):
-        reset()
     accelerator, _ = _accelerator()
     cut = _model()
     cut, opt = accelerator.prepare(cut, torch.optim.AdamW(cut.parameters(), lr=1e-3))
     run(cut, opt, accelerator, range(2))
     accelerator.save_state(str(tmp_path / "state"))
-    for reset in (
-        lambda: AcceleratorState._reset_state(True),
-        GradientState._reset_state,
-        PartialState._reset_state,
-    ):
-        reset()
     accelerator, _ = _accelerator()
     resumed = _model(seed=1)
     resumed, opt = accelerator.prepare(resumed, torch.optim.AdamW(resumed.parameters(), lr=1e-3))
