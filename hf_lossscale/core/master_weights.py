@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import sys
 import warnings
 import weakref
 from collections.abc import Callable
@@ -163,6 +164,8 @@ class _Pair:
 def _marker_died(pair_ref: weakref.ref, ref: weakref.ref) -> None:
     """The FP16 side dropped its gradient (`zero_grad()`): the master's goes too, unless a backward
     came in on top of it (the hook dropped the marker) or the pair has a newer marker."""
+    if sys.is_finalizing():  # the interpreter is exiting: nothing to free, and torch may be half gone
+        return
     pair = pair_ref()
     if pair is not None and ref is pair._marker and not pair.on_top:
         pair._marker = None
@@ -189,7 +192,8 @@ class OptimizerMasters:
         optimizer.register_state_dict_post_hook(functools.partial(_state_dict_hook, ref))
         optimizer.register_load_state_dict_pre_hook(functools.partial(_load_pre_hook, ref))
         optimizer.register_load_state_dict_post_hook(functools.partial(_load_post_hook, ref))
-        weakref.finalize(self, _release, self.pairs, self._hook_handles)
+        # not at interpreter exit: nothing needs releasing then, and torch may be half torn down
+        weakref.finalize(self, _release, self.pairs, self._hook_handles).atexit = False
 
     # ------------------------------------------------------------------ which parameters
     def sync_params(
