@@ -37,22 +37,28 @@ def native_bf16(device: str | None = None) -> tuple[bool, str]:
         "AVX512-BF16": torch.cpu._is_avx512_bf16_supported(),
         "AMX": torch.cpu._is_amx_tile_supported(),
     }
+    return _native_on_cpu(hardware, _ONEDNN_BF16_MARKERS, "BF16")
+
+
+def _native_on_cpu(hardware: dict[str, bool], onednn_markers: tuple[str, ...], kind: str) -> tuple[bool, str]:
+    """Native `kind` on this CPU: some of `hardware` present, and neither torch's kernels nor oneDNN's
+    ISA ceiling held below it; with the line that says why."""
     has = [k for k, v in hardware.items() if v]
     capability = torch.backends.cpu.get_cpu_capability()
     isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
-    held = []  # what keeps BF16 hardware unused
+    held = []  # what keeps the hardware unused
     if capability in ("DEFAULT", "NO AVX", "AVX2"):
         held.append(f"torch runs {capability} kernels")
-    if isa and not any(m in isa for m in _ONEDNN_BF16_MARKERS):
+    if isa and not any(m in isa for m in onednn_markers):
         held.append(f"ONEDNN_MAX_CPU_ISA={isa}")
     native = bool(has) and not held
     if not has:
-        why = f"CPU ({capability}) without AVX512-BF16 or AMX"
+        why = f"CPU ({capability}) without {' or '.join(hardware)}"
     elif held:
         why = f"CPU with {' and '.join(has)}, but {' and '.join(held)}"
     else:
         why = f"CPU with {' and '.join(has)} ({capability} kernels)"
-    return native, f"{why}: {'native' if native else 'no native'} BF16"
+    return native, f"{why}: {'native' if native else 'no native'} {kind}"
 
 
 # oneDNN's ISA ceilings that include FP16 instructions (AVX512_CORE_FP16 and up: in oneDNN's order
@@ -101,22 +107,7 @@ def native_fp16(device: str | None = None, *, flags: set[str] | None = None) -> 
     if not flags:  # no /proc/cpuinfo: torch's own check (it knows AMX-FP16, not AVX512-FP16)
         flags = {"amx_fp16"} if torch.cpu._is_amx_fp16_supported() else set()
     hardware = {"AVX512-FP16": "avx512_fp16" in flags, "AMX-FP16": "amx_fp16" in flags}
-    has = [k for k, v in hardware.items() if v]
-    capability = torch.backends.cpu.get_cpu_capability()
-    isa = os.environ.get("ONEDNN_MAX_CPU_ISA", "").upper()
-    held = []
-    if capability in ("DEFAULT", "NO AVX", "AVX2"):
-        held.append(f"torch runs {capability} kernels")
-    if isa and not any(m in isa for m in _ONEDNN_FP16_MARKERS):
-        held.append(f"ONEDNN_MAX_CPU_ISA={isa}")
-    native = bool(has) and not held
-    if not has:
-        why = f"CPU ({capability}) without AVX512-FP16 or AMX-FP16"
-    elif held:
-        why = f"CPU with {' and '.join(has)}, but {' and '.join(held)}"
-    else:
-        why = f"CPU with {' and '.join(has)} ({capability} kernels)"
-    return native, f"{why}: {'native' if native else 'no native'} FP16"
+    return _native_on_cpu(hardware, _ONEDNN_FP16_MARKERS, "FP16")
 
 
 def slow_bf16_warning(line: str) -> str:
