@@ -62,6 +62,12 @@ def _compare(a: dict, b: dict, where: str) -> None:
     assert a["stats"] == b["stats"], f"{where}: {a['stats']} vs {b['stats']}"
 
 
+def _compare_runs(sub: list[dict], ref: list[dict], label: str) -> None:
+    assert len(sub) == len(ref) > 0
+    for k, (a, b) in enumerate(zip(sub, ref, strict=True)):
+        _compare(a, b, f"{label}, snapshot {k}")
+
+
 def _as_inputs(b: dict) -> dict:
     return {
         "x": b["x"].float(),
@@ -132,9 +138,7 @@ def test_accelerate_runs_train_an_fp16_model_on_masters_as_the_fp32_reference(tm
         warnings.simplefilter("ignore")
         sub = _accelerate_run(run, torch.float16, str(tmp_path / "sub"))
         ref = _accelerate_run(run, torch.float32, str(tmp_path / "ref"))
-    assert len(sub) == len(ref)
-    for k, (a, b) in enumerate(zip(sub, ref, strict=True)):
-        _compare(a, b, f"Accelerate, snapshot {k} of {run}")
+    _compare_runs(sub, ref, f"Accelerate {run}")
 
 
 # ---------------------------------------------------------------------- the Trainer
@@ -213,6 +217,4 @@ def test_trainer_runs_train_an_fp16_model_on_masters_as_the_fp32_reference(tmp_p
         warnings.simplefilter("ignore")
         sub = _trainer_run(run, torch.float16, str(tmp_path / f"sub{id(run)}"))
         ref = _trainer_run(run, torch.float32, str(tmp_path / f"ref{id(run)}"))
-    assert len(sub) == len(ref) > 0
-    for k, (a, b) in enumerate(zip(sub, ref, strict=True)):
-        _compare(a, b, f"Trainer, step snapshot {k} of {run}")
+    _compare_runs(sub, ref, f"Trainer {run}")

@@ -182,6 +182,7 @@ class OptimizerMasters:
         self._layout: tuple[int, ...] = ()
         self._frozen: list[torch.nn.Parameter] = []  # FP16 parameters left in the groups (frozen then)
         self._hook_handles: list[Any] = []  # the FP16 parameters' gradient hooks
+        self._loaded = False  # masters were loaded from a state and await their check (`take_loaded`)
         ref = weakref.ref(self)
         # `optimizer.zero_grad()` clears the FP16 gradients not yet read into the masters, too (its groups
         # hold the masters): the one method wrapped, on this instance; torch has no hook for it
@@ -327,7 +328,10 @@ class OptimizerMasters:
         """Masters loaded from a state that round to their FP16 weights replace the masters; the others
         wait (the weights may be loaded next) or, when `final`, are rebuilt from the weights with a
         warning that names the parameter."""
+        if not self._loaded:  # nothing loaded since the last check: no pass over the pairs
+            return
         loaded = [p for p in self.pairs.values() if p.loaded is not None]
+        self._loaded = not final  # a mismatch may wait for the weights; the next step's check settles it
         if loaded:
             with torch.no_grad():
                 agree = torch.stack([(p.loaded.to(p.half.dtype) == p.half).all() for p in loaded]).tolist()
@@ -487,6 +491,7 @@ def _load_pre_hook(ref: weakref.ref, optimizer: torch.optim.Optimizer, state_dic
                         f"{tuple(value.shape)}, its parameter {tuple(param.shape)}: not this model's state."
                     )
                 pair.loaded = value.detach().to(device=param.device, dtype=torch.float32)
+                masters._loaded = True
         state[key] = entry
     return {**state_dict, "state": state}
 

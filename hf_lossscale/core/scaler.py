@@ -359,7 +359,8 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
-        self.master_weights.follow_weights(optimizer)  # weights edited since the gradients were read
+        if state["stage"] is OptState.UNSCALED:  # read earlier (unscale_, a clip): weights edited since
+            self.master_weights.follow_weights(optimizer)  # (otherwise the read in _step checks them)
         retval = self._step(optimizer, state, args, kwargs)
         if not state.get("host_skipped"):  # the FP16 weights from their FP32 masters (a skip on the device
             self.master_weights.write_back(optimizer)  # left the masters, so the weights, as they were)
