@@ -31,6 +31,8 @@ MODES = ("dynamic", "static", "off")
 FP16_ON_CPU = ("emulate", "native")
 #: What happens when skipped steps pile up at the floor (`at_min_scale`).
 AT_MIN_SCALE = ("raise", "warn", "clamp")
+#: `master_weights` values besides True and False (`"auto"`: True exactly when a trainable parameter is FP16).
+MASTER_WEIGHT_MODES = ("auto", "kahan", "stochastic_rounding")
 #: The `fp32_modules` entry that lets a diagnosed forward overflow add its origin module.
 AUTO = "auto"
 
@@ -147,10 +149,14 @@ class LossScaleConfig:
             `"warn"` (warn once and keep skipping), or `"clamp"` (at the floor, stop skipping: the
             non-finite gradient elements are clamped, NaN to 0 and +-inf to +-65504 / scale, and the
             optimizer steps; costs one host read of the overflow flag per step).
-        master_weights (`bool` or `"auto"`, *optional*, defaults to `"auto"`):
-            the optimizer steps on FP32 copies of the trainable FP16 parameters (a model held in FP16),
-            reading each FP16 gradient once into them and writing the FP16 weights back after each
-            step. `"auto"`: on exactly when a trainable parameter is FP16; `False`: such a parameter
+        master_weights (`bool` or `str`, *optional*, defaults to `"auto"`):
+            how the optimizer updates trainable FP16 parameters (a model held in FP16). `"auto"` /
+            `True`: it steps on FP32 copies (the masters), reading each FP16 gradient once into them
+            and writing the FP16 weights back after each step (`"auto"`: on exactly when a trainable
+            parameter is FP16). Below that memory: `"kahan"` (FP16 weights plus an FP16 compensation
+            buffer: the update's rounding error is carried to the next step) and
+            `"stochastic_rounding"` (the FP32 update rounded stochastically into the FP16 weight,
+            seeded; the random state travels in the optimizer's state). `False`: such a parameter
             is refused with the remedies (torch's "Attempting to unscale FP16 gradients", explained).
         floor_event_steps (`int`, *optional*, defaults to `100`):
             an event (and a warning) when the scale has sat at `min_scale` for this many optimizer
@@ -228,7 +234,8 @@ class LossScaleConfig:
         default="auto",
         metadata={
             "help": "FP32 master weights for trainable FP16 parameters: 'auto' (on exactly when one is "
-            "FP16), true, or false (FP16 parameters refused with the remedies)."
+            "FP16), true, 'kahan' (FP16 weights + an FP16 compensation buffer), 'stochastic_rounding' "
+            "(FP16 weights, updates rounded stochastically), or false (FP16 parameters refused)."
         },
     )
 
@@ -311,10 +318,12 @@ class LossScaleConfig:
             self.master_weights = True
         elif isinstance(mw, str) and mw.strip().lower() in ("false", "off", "0", "no"):
             self.master_weights = False
-        elif isinstance(mw, str) and mw.strip().lower() == "auto":
-            self.master_weights = "auto"
+        elif isinstance(mw, str) and mw.strip().lower() in MASTER_WEIGHT_MODES:
+            self.master_weights = mw.strip().lower()
         elif not isinstance(mw, bool):
-            raise ValueError(f"LossScaleConfig.master_weights={_q(mw)} must be 'auto', True or False.")
+            raise ValueError(
+                f"LossScaleConfig.master_weights={_q(mw)} must be True, False or one of {MASTER_WEIGHT_MODES}."
+            )
         if not isinstance(self.at_min_scale, str) or self.at_min_scale not in AT_MIN_SCALE:
             raise ValueError(
                 f"LossScaleConfig.at_min_scale={_q(self.at_min_scale)} is not one of {AT_MIN_SCALE}."
@@ -607,7 +616,7 @@ def _parse_env_value(name: str, var: str, raw: str) -> Any:
             + ", or unset it for the default."
         )
     try:
-        if kind == "bool | str":  # master_weights: true / false / auto
+        if kind == "bool | str":  # master_weights: true / false / auto / kahan / stochastic_rounding
             return True if text.lower() in _TRUE else False if text.lower() in _FALSE else text
         if kind == "bool":
             if text.lower() in _TRUE:

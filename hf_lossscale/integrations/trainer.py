@@ -118,7 +118,7 @@ class LossScaleTrainingArguments(TrainingArguments):
     loss_scale_max_auto_fp32_modules: int | None = _setting("max_auto_fp32_modules")
     loss_scale_at_min_scale: str | None = _setting("at_min_scale")
     loss_scale_floor_event_steps: int | None = _setting("floor_event_steps")
-    loss_scale_master_weights: str | None = _setting("master_weights", "; auto, true or false")
+    loss_scale_master_weights: str | None = _setting("master_weights", "; auto, true, false, kahan or stochastic_rounding")
     loss_scale_preflight: bool = field(
         default=False,
         metadata={
