@@ -58,6 +58,9 @@ def test_overflow_diagnosis_on_a_plain_trainer_with_our_scaler(tmp_path):
     assert [e["step"] for e in overflows] == [3] and diagnosis.diagnosed == 1
     assert overflows[0]["params"] == ["classifier.weight"] and overflows[0]["loss_nonfinite"] is False
     assert run[-1]["skipped_steps"] == 1
+    # one sink: the diagnosis reads back what the file got, and the sink kept no log lines
+    assert diagnosis.sink is events.sink and diagnosis.events == overflows
+    assert [e["event"] for e in events.sink.events] == ["overflow", "run_end"]
 
 
 def test_error_before_training_begins_follows_a_run_start(tmp_path):
@@ -162,3 +165,47 @@ def test_event_log_survives_a_crash_mid_write_and_bad_lines(tmp_path, capsys):
     assert "**6 unreadable line(s)" in (run / "report" / "report.md").read_text()
     (run / "loss_scale_log.jsonl").write_bytes(bytes(range(256)) * 4)  # a binary file: nothing readable
     assert read_events_counted(log) == ([], 4)
+
+
+def test_one_event_sink_for_the_callbacks_and_the_scalers_observers():
+    """Every event passes through one `EventSink`: a callback's events reach the file's subscriber
+    and its own read-back attribute; an observer of the scaler reports through `drain_events`,
+    part of the observer interface. Bugs caught: a callback keeping a private list the file never
+    sees (or the reverse), a sink keeping `keep=False` lines (a long run's memory), `drain()`
+    handing an event out twice, and a custom observer's events lost because only the built-in
+    skip watch was drained."""
+    from hf_lossscale import DynamicLossScaler
+    from hf_lossscale.core.events import EventSink
+    from hf_lossscale.core.scaler_observers import ScalerObserver
+
+    class FakeTrainer:
+        args = TrainingArguments("unused", report_to=[])
+
+    log = LossScaleEventLogCallback(FakeTrainer(), enabled=False)
+    written = []
+    log.sink.subscribe(written.append)
+    probe = FlushedFractionCallback(FakeTrainer(), log)
+    probe.sink.emit({"event": "flushed_probe", "when": "start"})
+    log.write({"event": "log", "step": 1})
+    assert [e["event"] for e in written] == ["flushed_probe", "log"]
+    assert probe.results == [{"event": "flushed_probe", "when": "start"}] and len(log.sink.events) == 1
+    assert log.sink.drain() == probe.results and log.sink.drain() == []
+
+    class Announcer(ScalerObserver):
+        def __init__(self):
+            self.sink = EventSink()
+
+        def on_update(self, scaler, rule_applied):
+            self.sink.emit({"event": "updated", "rule": rule_applied})
+
+    assert ScalerObserver().drain_events() == []  # an observer with nothing to say
+    scaler = DynamicLossScaler(init_scale=4.0)
+    scaler.observers.append(Announcer())
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(2):
+        scaler.scale(model(torch.ones(1, 2)).sum()).backward()
+        scaler.step(optimizer)
+        scaler.update()
+    assert scaler.drain_events() == [{"event": "updated", "rule": True}] * 2
+    assert scaler.drain_events() == []

@@ -7,6 +7,10 @@ One JSON object per line, with an `event` key: `run_start` (versions, precision,
 the run; `collapse` is true for a `LossScaleCollapseError`), `run_end` (the scaler's final stats).
 A resumed run appends to the same file. Importing this module needs no torch.
 
+In a run, every event passes through one `EventSink`: the scaler's observers queue theirs in one
+(`ScalerObserver.drain_events`), the Trainer's callbacks emit into the event log's, and whoever
+wants them (the JSONL file, TensorBoard, a test) subscribes to it or reads it.
+
 Strict JSON: every line parses with a strict parser (`json.loads(..., parse_constant=...)` raising,
 JavaScript's `JSON.parse`, jq). A number that is not finite -- `headroom_bits` of a snapshot that
 held inf/NaN (-inf) or only zeros (+inf), a NaN loss, an infinite `grad_norm` -- is written as
@@ -18,10 +22,12 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Callable
 from typing import Any
 
 __all__ = [
     "EVENT_LOG_NAME",
+    "EventSink",
     "REQUIRED",
     "append_event",
     "read_events",
@@ -33,6 +39,58 @@ __all__ = [
 ]
 
 EVENT_LOG_NAME = "loss_scale_log.jsonl"
+
+
+class EventSink:
+    """Where a run's events go: one ordered record, written by observers and callbacks, read by anyone.
+
+    `emit(event)` records an event (a dict with an `event` kind) and hands it to each subscriber in
+    order (the event log's file, TensorBoard); `of(*kinds)` reads the recorded events of those kinds;
+    `drain()` takes those recorded since the last drain. An event emitted with `keep=False` (a
+    Trainer log line, a telemetry histogram: the file and the Trainer's own history hold those) goes
+    to the subscribers only, so a long run's sink holds just the rare events.
+
+    Example:
+
+    ```python
+    >>> sink = EventSink()
+    >>> seen = []
+    >>> sink.subscribe(seen.append)
+    >>> sink.emit({"event": "floor", "steps_at_floor": 3})
+    >>> sink.emit({"event": "log", "step": 1, "loss": 0.5}, keep=False)
+    >>> [e["event"] for e in seen], [e["event"] for e in sink.events]
+    (['floor', 'log'], ['floor'])
+    >>> [e["event"] for e in sink.drain()], sink.drain()
+    (['floor'], [])
+    ```
+    """
+
+    def __init__(self) -> None:
+        #: The recorded events, in the order they were emitted.
+        self.events: list[dict[str, Any]] = []
+        self._subscribers: list[Callable[[dict[str, Any]], None]] = []
+        self._drained = 0  # events[:_drained] were taken by drain()
+
+    def subscribe(self, receive: Callable[[dict[str, Any]], None]) -> None:
+        """Hand every event emitted from now on to `receive(event)`."""
+        self._subscribers.append(receive)
+
+    def emit(self, event: dict[str, Any], *, keep: bool = True) -> None:
+        """Record `event` (unless `keep=False`) and hand it to the subscribers."""
+        if keep:
+            self.events.append(event)
+        for receive in list(self._subscribers):
+            receive(event)
+
+    def of(self, *kinds: str) -> list[dict[str, Any]]:
+        """The recorded events whose `event` is one of `kinds`, in order."""
+        return [e for e in self.events if e.get("event") in kinds]
+
+    def drain(self) -> list[dict[str, Any]]:
+        """The events recorded since the last call."""
+        out = self.events[self._drained :]
+        self._drained = len(self.events)
+        return out
 
 
 #: Fields each kind of event must carry for the readers (`report`, `compare`) to use it; an event

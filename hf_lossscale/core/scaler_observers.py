@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .events import EventSink
 from .hostcopy import HostCopy
 from .master_weights import half_of
 from .overflow import display_origin
@@ -157,7 +158,18 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 
 class ScalerObserver:
     """The points at which a `DynamicLossScaler` tells its observers what happened. Each method
-    does nothing by default; none may synchronise with the device on every step."""
+    does nothing by default; none may synchronise with the device on every step.
+
+    An observer with something to report emits it into its `sink`, an `EventSink` (hand one in to
+    share it); the scaler's `drain_events()` takes what every observer recorded since the last call,
+    for an event log."""
+
+    #: Where this observer's events go; None: it reports none.
+    sink: EventSink | None = None
+
+    def drain_events(self) -> list[dict]:
+        """The events this observer recorded since the last call."""
+        return self.sink.drain() if self.sink is not None else []
 
     def before_unscale(self, scaler: DynamicLossScaler, optimizer: torch.optim.Optimizer) -> None:
         """The optimizer's gradients are about to be checked (still scaled)."""
@@ -215,8 +227,9 @@ class SkipWatch(ScalerObserver):
 
     def __init__(self, names: ParameterNames) -> None:
         self.names = names
-        self.known_consecutive = 0  # the last values read from a host copy of the counters
-        self.known_skipped = 0
+        #: The scaler's counters (`PACKED`) as the last host copy that landed read them: a late view
+        #: of `scaler.state.counters`, not a count of its own.
+        self.counters_seen: dict[str, int] = dict.fromkeys(PACKED, 0)
         self._copy: tuple[HostCopy, int] | None = None  # the counters' copy, and the iteration it closed
         # the scale after an update (None: known above the floor), and that update's iteration
         self._scale_copies: list[tuple[HostCopy | None, int]] = []
@@ -226,13 +239,22 @@ class SkipWatch(ScalerObserver):
         self._skipped_reads: list[tuple[int, int]] = [(-1, 0)]
         self.steps_at_floor = 0
         self.collapse_warned = False
-        #: Events for the run's event log (`floor`, `collapse_warning`), taken by `drain_events()`.
-        self.events: list[dict] = []
+        self.sink = EventSink()  # `floor`, `collapse_warning`
         self._pending: list[tuple[HostCopy, torch.optim.Optimizer, list[torch.Tensor]]] = []
         # clip_grad_norm_'s per-parameter norms of the last two iterations, by iteration
         self._norms: dict[int, list[tuple[torch.optim.Optimizer, list[torch.Tensor], torch.Tensor]]] = {}
         self._named: set[tuple[int, int]] = set()  # (iteration, id(optimizer)) already sent to the host
         self.overflow_params: list[str] = []
+
+    @property
+    def known_consecutive(self) -> int:
+        """Skipped steps in a row, as the last landed copy of the counters read them."""
+        return self.counters_seen["consecutive_skips"]
+
+    @property
+    def known_skipped(self) -> int:
+        """Skipped steps in all, as the last landed copy of the counters read them."""
+        return self.counters_seen["skipped_steps"]
 
     # ---------------------------------------------------------------- naming
     def on_norms(self, scaler, optimizer, params, norms):
@@ -300,7 +322,7 @@ class SkipWatch(ScalerObserver):
             if not self.collapse_warned:  # "warn" and "clamp": say it once, keep going
                 self.collapse_warned = True
                 message = collapse_message(scaler, self.known_consecutive, self.resolve())
-                self.events.append({"event": "collapse_warning", "message": message})
+                self._emit({"event": "collapse_warning", "message": message})
                 mode = scaler.config.at_min_scale
                 warnings.warn(f"{message} (at_min_scale={mode!r}: training goes on)", stacklevel=4)
         elif self.known_consecutive == 0:
@@ -310,14 +332,13 @@ class SkipWatch(ScalerObserver):
         """Take in a landed copy of the counters after `iteration`'s update; a skip there sends the
         norms `clip_grad_norm_` kept for it to the host (its names), and its skip count bounds the
         scale from below (`_floor_possible`)."""
-        values = dict(zip(PACKED, copy.value(), strict=True))
-        consecutive, skipped = values["consecutive_skips"], values["skipped_steps"]
+        self.counters_seen = dict(zip(PACKED, copy.value(), strict=True))
+        consecutive, skipped = self.known_consecutive, self.known_skipped
         self._skipped_reads.append((iteration, skipped))
         del self._skipped_reads[: -4 * _MAX_PENDING_NAMES]
         if consecutive > 0:
             for optimizer, _, _ in self._norms.get(iteration, []):
                 self._queue(iteration, optimizer)
-        self.known_consecutive, self.known_skipped = consecutive, skipped
 
     def _floor_possible(self, closed: int, config: LossScaleConfig) -> bool:
         """Whether the scale may sit at `min_scale` after the update that closed iteration `closed`,
@@ -371,20 +392,19 @@ class SkipWatch(ScalerObserver):
                     "an overflow no scale can fix is likely (see the overflow events' `origin`; "
                     "`fp32_modules`); otherwise consider a lower min_scale."
                 )
-                self.events.append(
+                self._emit(
                     {"event": "floor", "steps_at_floor": self.steps_at_floor, "min_scale": c.min_scale}
                 )
                 warnings.warn(message, stacklevel=4)
         del self._scale_copies[:-_MAX_PENDING_NAMES]
 
-    def drain_events(self) -> list[dict]:
-        """The events since the last call (for an event log)."""
-        out, self.events = self.events, []
-        return out
+    def _emit(self, event: dict) -> None:
+        if self.sink is None:  # unpickled from a version that kept a list
+            self.sink = EventSink()
+        self.sink.emit(event)
 
     def on_state_loaded(self, scaler):
-        self.known_consecutive = scaler.state.host["consecutive_skips"]
-        self.known_skipped = scaler.state.host["skipped_steps"]
+        self.counters_seen = {k: scaler.state.host[k] for k in PACKED}
         self._copy = None  # a copy in flight belongs to the state replaced
         self._scale_copies = []
         self._scale_ref = None

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from ..core.events import EVENT_LOG_NAME, append_event
+from ..core.events import EVENT_LOG_NAME, EventSink, append_event
 from ..core.master_weights import gradient_of
 from ..core.overflow import display_origin, find_overflow_origin, rng_state
 from ..core.scaler import DynamicLossScaler, LossScaleCollapseError
@@ -37,6 +37,7 @@ from .accelerate_hook import effective_mixed_precision, plain_forward
 
 __all__ = [
     "ActivationProbeCallback",
+    "TrainingBatchHook",
     "FlushedFractionCallback",
     "LossScaleEventLogCallback",
     "OverflowDiagnosisCallback",
@@ -53,6 +54,36 @@ def loss_scaler_of(trainer: Any) -> DynamicLossScaler | None:
     return scaler if isinstance(scaler, DynamicLossScaler) else None
 
 
+class TrainingBatchHook:
+    """A forward pre-hook on `model` that hands the inputs of each training forward (in train mode,
+    with gradients on) to `receive(args, kwargs)`, `kwargs` without the Trainer's
+    `num_items_in_batch` (it counts the whole accumulation window; a replay or probe of one
+    micro-batch divides by `gradient_accumulation_steps` instead). `once=True` removes the hook
+    after the first such forward. The inputs are the model's own references: no copy, no device work.
+    """
+
+    def __init__(self, model: torch.nn.Module, receive: Any, *, once: bool = False) -> None:
+        self.receive = receive
+        self.once = once
+        self._handle: Any = model.register_forward_pre_hook(self._hook, with_kwargs=True)
+
+    @property
+    def active(self) -> bool:
+        return self._handle is not None
+
+    def _hook(self, module, args, kwargs):
+        if not module.training or not torch.is_grad_enabled():
+            return
+        if self.once:
+            self.remove()
+        self.receive(args, {k: v for k, v in kwargs.items() if k != "num_items_in_batch"})
+
+    def remove(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+
 def _scale_in_force(trainer: Any) -> float | None:
     """The loss scale of an FP16 run (ours or torch's `GradScaler`; 1.0 with scaling off), or None
     when no scaler runs (FP32, BF16, DeepSpeed's own)."""
@@ -64,10 +95,14 @@ def _scale_in_force(trainer: Any) -> float | None:
 
 class LossScaleEventLogCallback(TrainerCallback):
     """Writes the JSONL event log (`loss_scale_log.jsonl` in `output_dir`, see `hf_lossscale.core.events`):
-    `run_start` at the start of training, `log` (and `telemetry`) at every log, `run_end` at the end.
-    Other callbacks write their events through `write`. `record_error(err)` writes an `error` event
+    `run_start` at the start of training, `log` at every log, the scaler's observers' events after
+    each step, `run_end` at the end. `record_error(err)` writes an `error` event
     (`LossScaleMixin.train` calls it; with a plain `Trainer`, call it from an `except` around
     `train()`). A resumed or repeated run appends: nothing is lost.
+
+    It owns the run's `sink` (an `EventSink`): the other callbacks, given this one, emit their
+    events into it, and it appends every event emitted there to the file; others (TensorBoard)
+    subscribe to the same sink.
 
     Args:
         trainer: the `Trainer` whose run it logs.
@@ -78,6 +113,9 @@ class LossScaleEventLogCallback(TrainerCallback):
     def __init__(self, trainer: Any, enabled: bool = True) -> None:
         self.trainer = trainer
         self.enabled = enabled
+        #: The run's events; every one emitted here is appended to the file.
+        self.sink = EventSink()
+        self.sink.subscribe(self._append)
         self._started = False  # run_start written for the current train() call
 
     @property
@@ -88,6 +126,11 @@ class LossScaleEventLogCallback(TrainerCallback):
         return os.path.join(args.output_dir, EVENT_LOG_NAME)
 
     def write(self, event: dict[str, Any]) -> None:
+        """Emit an event that the sink need not keep (a log line, a per-step figure): the file and
+        the sink's subscribers get it. Events others may read back go through `sink.emit`."""
+        self.sink.emit(event, keep=False)
+
+    def _append(self, event: dict[str, Any]) -> None:
         """Append one JSON line (on the main process only)."""
         path = self.path
         if path is None:
@@ -107,31 +150,19 @@ class LossScaleEventLogCallback(TrainerCallback):
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         self.write({"event": "log", **state.log_history[-1]})
-        snapshots = getattr(self.trainer, "latest_telemetry", None) or {}
-        grads, acts = snapshots.get("param_grads"), snapshots.get("activation_grads")
-        if grads is not None:
-            # `step` is the optimizer step the snapshot was measured at (`LossScaleMixin.log` works it
-            # out), `log_step` the log that read it; the snapshot's own `step`, the scaler's
-            # iteration, is `scale_step`.
-            self.write({**grads, "event": "telemetry", "step": grads.get("global_step", state.global_step),
-                        "log_step": state.global_step, "source": "param_grads", "scale_step": grads["step"]})  # fmt: skip
-        if acts is not None:
-            # summed over the probed steps since the previous log
-            self.write({"event": "telemetry", "step": state.global_step, "log_step": state.global_step,
-                        "source": "activation_grads", **acts})  # fmt: skip
 
     def on_step_end(self, args, state, control, **kwargs):
         scaler = loss_scaler_of(self.trainer)
         if scaler is not None:
             for event in scaler.drain_events():
-                self.write({**event, "step": state.global_step})
+                self.sink.emit({**event, "step": state.global_step})
 
     def on_train_end(self, args, state, control, **kwargs):
         end: dict[str, Any] = {"event": "run_end", "step": state.global_step, "time": time.time()}
         scaler = loss_scaler_of(self.trainer)
         if scaler is not None:
             end.update(scaler.stats())
-        self.write(end)
+        self.sink.emit(end)
         self._started = False
 
     def record_error(self, err: BaseException, resumed: bool = False) -> None:
@@ -139,7 +170,7 @@ class LossScaleEventLogCallback(TrainerCallback):
         e.g. a checkpoint that could not be loaded)."""
         if not self._started:
             self._start(resumed)
-        self.write(
+        self.sink.emit(
             {
                 "event": "error",
                 "step": self.trainer.state.global_step,
@@ -149,6 +180,24 @@ class LossScaleEventLogCallback(TrainerCallback):
             }
         )
         self._started = False
+
+
+def telemetry_events(snapshots: dict[str, dict[str, Any] | None], log_step: int) -> list[dict[str, Any]]:
+    """The `telemetry` events for the snapshots a training log read (`param_grads`, `activation_grads`).
+
+    A parameter-gradient snapshot's `step` is the optimizer step it was measured at (its
+    `global_step`, which `LossScaleMixin.log` works out), `log_step` the log that read it; the
+    snapshot's own `step`, the scaler's iteration, becomes `scale_step`. The activation figures are
+    summed over the probed steps since the previous log."""
+    out = []
+    grads, acts = snapshots.get("param_grads"), snapshots.get("activation_grads")
+    if grads is not None:
+        out.append({**grads, "event": "telemetry", "step": grads.get("global_step", log_step),
+                    "log_step": log_step, "source": "param_grads", "scale_step": grads["step"]})  # fmt: skip
+    if acts is not None:
+        out.append({"event": "telemetry", "step": log_step, "log_step": log_step,
+                    "source": "activation_grads", **acts})  # fmt: skip
+    return out
 
 
 def run_info(trainer: Any) -> dict[str, Any]:
@@ -235,7 +284,8 @@ class OverflowDiagnosisCallback(TrainerCallback):
         self.max_backward_replays = max_backward_replays
         self.diagnosed = 0
         self.backward_replays = 0
-        self.events: list[dict[str, Any]] = []
+        #: Where its events go: the event log's sink when given one (so the file gets them too).
+        self.sink = event_log.sink if event_log is not None else EventSink()
         self._loss_nonfinite: torch.Tensor | None = None
         self._batches: list[tuple[tuple, dict]] = []
         self._rng_states: list[dict[str, Any]] = []
@@ -243,6 +293,12 @@ class OverflowDiagnosisCallback(TrainerCallback):
         self._step_scale_seen: torch.Tensor | None = None
         self._replay_error: str | None = None
         self._handles: list[Any] = []
+        self._model: torch.nn.Module | None = None
+
+    @property
+    def events(self) -> list[dict[str, Any]]:
+        """Its events so far (`overflow`, `fp32_module_added`, `fp32_module_refused`), from the sink."""
+        return self.sink.of("overflow", "fp32_module_added", "fp32_module_refused")
 
     def _watch_loss(self, module, args, output):
         loss = output.get("loss") if isinstance(output, dict) else None
@@ -250,8 +306,8 @@ class OverflowDiagnosisCallback(TrainerCallback):
             bad = ~torch.isfinite(loss.detach()).all()
             self._loss_nonfinite = bad if self._loss_nonfinite is None else self._loss_nonfinite | bad
 
-    def _take_batch(self, module, args, kwargs):
-        if module.training and torch.is_grad_enabled() and not self._replaying:
+    def _take_batch(self, args, kwargs):
+        if not self._replaying:
             # references, and the generators' state (a host copy): replayed, with the same dropout
             # masks, if the step is skipped
             if not self._batches:  # the step's scale, as its first forward saw it (one copy, no sync)
@@ -259,14 +315,14 @@ class OverflowDiagnosisCallback(TrainerCallback):
                 own = getattr(scaler, "_scale", None)
                 self._step_scale_seen = own.detach().clone() if isinstance(own, torch.Tensor) else None
             self._batches.append((args, kwargs))
-            self._rng_states.append(rng_state(module))
+            self._rng_states.append(rng_state(self._model))
 
     def on_train_begin(self, args, state, control, **kwargs):
         scaler = getattr(self.trainer.accelerator, "scaler", None)
         if not self._handles and scaler is not None and scaler.is_enabled():
-            model = self.trainer.accelerator.unwrap_model(self.trainer.model)
+            model = self._model = self.trainer.accelerator.unwrap_model(self.trainer.model)
             self._handles = [
-                model.register_forward_pre_hook(self._take_batch, with_kwargs=True),
+                TrainingBatchHook(model, self._take_batch),
                 model.register_forward_hook(self._watch_loss),
             ]
 
@@ -355,8 +411,7 @@ class OverflowDiagnosisCallback(TrainerCallback):
         context = getattr(self.trainer.accelerator, "_hf_lossscale_context", None) or contextlib.nullcontext
 
         def loss_fn(m, batch):
-            args, kwargs = batch
-            inputs = {k: v for k, v in kwargs.items() if k != "num_items_in_batch"}
+            args, inputs = batch
             if args:
                 out = m(*args, **inputs)
                 return out["loss"] if isinstance(out, dict) else out[0]
@@ -420,9 +475,7 @@ class OverflowDiagnosisCallback(TrainerCallback):
         )
 
     def _write(self, event: dict[str, Any]) -> None:
-        self.events.append(event)
-        if self.event_log is not None:
-            self.event_log.write(event)
+        self.sink.emit(event)
 
 
 def _describe(event: dict[str, Any]) -> str:
@@ -455,36 +508,34 @@ class FlushedFractionCallback(TrainerCallback):
     def __init__(self, trainer: Any, event_log: LossScaleEventLogCallback | None = None) -> None:
         self.trainer = trainer
         self.event_log = event_log
+        #: Where its `flushed_probe` events go: the event log's sink when given one.
+        self.sink = event_log.sink if event_log is not None else EventSink()
         self.batch: dict[str, Any] | None = None
-        self.results: list[dict[str, Any]] = []
-        self._handle: Any = None
+        self._hook: TrainingBatchHook | None = None
+
+    @property
+    def results(self) -> list[dict[str, Any]]:
+        """Its `flushed_probe` events so far, from the sink."""
+        return self.sink.of("flushed_probe")
 
     def on_train_begin(self, args, state, control, **kwargs):
         if (
             self.batch is None
-            and self._handle is None
+            and self._hook is None
             and getattr(self.trainer.accelerator, "scaler", None) is not None
         ):
-            self._handle = self.trainer.model.register_forward_pre_hook(self._take_batch, with_kwargs=True)
+            self._hook = TrainingBatchHook(self.trainer.model, self._take_batch, once=True)
 
-    def _take_batch(self, module, args, kwargs):
-        if not module.training or not torch.is_grad_enabled():
-            return
-        self._handle.remove()
-        self._handle = None
-        # The Trainer passes num_items_in_batch for the whole accumulation window; the probe divides
-        # one micro-batch's mean loss by gradient_accumulation_steps instead, as the step does.
-        self.batch = {
-            k: v.detach().clone() if torch.is_tensor(v) else v
-            for k, v in kwargs.items()
-            if k != "num_items_in_batch"
-        }
+    def _take_batch(self, args, kwargs):
+        self._hook = None
+        # The probe divides one micro-batch's mean loss by gradient_accumulation_steps, as the step does.
+        self.batch = {k: v.detach().clone() if torch.is_tensor(v) else v for k, v in kwargs.items()}
         self.measure("start")
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
         if self.batch is not None:
             self.measure("end")
 
@@ -506,10 +557,7 @@ class FlushedFractionCallback(TrainerCallback):
                 loss_fn=lambda m, b: trainer.compute_loss(m, b),
             )
         result.pop("reference")
-        event = {"event": "flushed_probe", "when": when, "step": trainer.state.global_step, **result}
-        self.results.append(event)
-        if self.event_log is not None:
-            self.event_log.write(event)
+        self.sink.emit({"event": "flushed_probe", "when": when, "step": trainer.state.global_step, **result})
         return result
 
 
@@ -523,25 +571,24 @@ class PreflightCallback(TrainerCallback):
     def __init__(self, trainer: Any, event_log: LossScaleEventLogCallback | None = None) -> None:
         self.trainer = trainer
         self.event_log = event_log
+        #: Where its `preflight` event goes: the event log's sink when given one.
+        self.sink = event_log.sink if event_log is not None else EventSink()
+        #: The last pre-flight's full figures (`preflight()`'s result; the event summarises them).
         self.result: dict[str, Any] | None = None
-        self._handle: Any = None
+        self._hook: TrainingBatchHook | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
-        if self.result is None and self._handle is None and getattr(self.trainer.accelerator, "scaler", None):
-            self._handle = self.trainer.model.register_forward_pre_hook(self._take_batch, with_kwargs=True)
+        if self.result is None and self._hook is None and getattr(self.trainer.accelerator, "scaler", None):
+            self._hook = TrainingBatchHook(self.trainer.model, self._take_batch, once=True)
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self._handle is not None:
-            self._handle.remove()
-            self._handle = None
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
 
-    def _take_batch(self, module, args, kwargs):
-        if not module.training or not torch.is_grad_enabled():
-            return
-        self._handle.remove()
-        self._handle = None
-        batch = {k: v for k, v in kwargs.items() if k != "num_items_in_batch"}
-        self.run(batch)
+    def _take_batch(self, args, kwargs):
+        self._hook = None
+        self.run(kwargs)
 
     def run(self, batch: dict[str, Any]) -> dict[str, Any]:
         from ..fp16.preflight import format_preflight, preflight
@@ -566,8 +613,7 @@ class PreflightCallback(TrainerCallback):
             "suggested_fp32_modules": result["suggested_fp32_modules"],
             "suggested_init_scale": result["suggested_init_scale"],
         }
-        if self.event_log is not None:
-            self.event_log.write(event)
+        self.sink.emit(event)
         if event["overflowing_modules"] or event["near_modules"] or event["fp16_origins"]:
             warnings.warn(f"hf_lossscale pre-flight (FP32 passes on the first batch):\n{table}", stacklevel=2)
         else:

@@ -1,7 +1,7 @@
 """Gradient exponent histograms in TensorBoard, beside the scalars the Trainer already sends there.
 
-With `report_to` including `"tensorboard"`, `LossScaleMixin` adds `LossScaleTensorBoardCallback`: on
-each log step that has a telemetry snapshot (`loss_scale_telemetry_interval`; the activation probe
+With `report_to` including `"tensorboard"`, `LossScaleMixin` adds `LossScaleTensorBoardCallback`: for
+each telemetry snapshot a log step read (`loss_scale_telemetry_interval`; the activation probe
 with `loss_scale_activation_probe`) it writes histograms of `log2|g|`, on the FP16 number line
 (`-24` is FP16's smallest subnormal, `-14` its smallest normal, `16` overflows), through the writer of
 transformers' `TensorBoardCallback`, so they land in the same event file as `train/loss_scale`:
@@ -25,6 +25,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
+from ..core.events import EventSink
 from ..core.telemetry import BUCKETS, MIN_EXP
 
 __all__ = ["LossScaleTensorBoardCallback", "log2_histogram"]
@@ -56,15 +57,22 @@ def log2_histogram(counts: list[int]) -> dict[str, Any] | None:
 
 
 class LossScaleTensorBoardCallback(TrainerCallback):
-    """Writes the trainer's latest telemetry snapshots (`trainer.latest_telemetry`, set by
-    `LossScaleMixin.log`) as TensorBoard histograms. Add it after transformers' `TensorBoardCallback`
-    (the mixin does): it writes with that callback's `tb_writer`, on the main process only."""
+    """Writes the run's `telemetry` events (the snapshots a training log read, which
+    `LossScaleMixin.log` emits into the event sink) as TensorBoard histograms. Add it after
+    transformers' `TensorBoardCallback` (the mixin does): it writes with that callback's `tb_writer`,
+    on the main process only.
+
+    Args:
+        trainer: the `Trainer` whose writer it uses.
+        sink (`EventSink`): the run's event sink (`trainer.loss_scale_events.sink`).
+    """
 
     TAGS = {"param_grads": "loss_scale/grad_log2", "activation_grads": "loss_scale/act_grad_log2"}
 
-    def __init__(self, trainer: Any) -> None:
+    def __init__(self, trainer: Any, sink: EventSink) -> None:
         self.trainer = trainer
         self._warned = False
+        sink.subscribe(self._receive)
 
     def _writer(self) -> Any:
         from transformers.integrations import TensorBoardCallback
@@ -74,9 +82,8 @@ class LossScaleTensorBoardCallback(TrainerCallback):
                 return callback.tb_writer
         return None
 
-    def on_log(self, args, state, control, logs=None, **kwargs):
-        snapshots = getattr(self.trainer, "latest_telemetry", None)
-        if not state.is_world_process_zero or not snapshots:
+    def _receive(self, event: dict[str, Any]) -> None:
+        if event.get("event") != "telemetry" or not self.trainer.is_world_process_zero():
             return
         writer = self._writer()
         if writer is None:
@@ -86,16 +93,12 @@ class LossScaleTensorBoardCallback(TrainerCallback):
                 )
                 self._warned = True
             return
-        for source, snapshot in snapshots.items():
-            tag = self.TAGS[source]
-            # the step the snapshot was measured at (the event log's `step`), not the log's
-            step = snapshot.get("global_step", state.global_step)
-            figures = {tag: snapshot["counts"]}
-            figures.update(
-                {f"{tag}/{module}": s["counts"] for module, s in snapshot.get("per_module", {}).items()}
-            )
-            for name, counts in figures.items():
-                histogram = log2_histogram(counts)
-                if histogram is not None:
-                    writer.add_histogram_raw(name, global_step=step, **histogram)
+        tag = self.TAGS[event["source"]]
+        # the step the snapshot was measured at (the event's `step`), not the log's
+        figures = {tag: event["counts"]}
+        figures.update({f"{tag}/{module}": s["counts"] for module, s in event.get("per_module", {}).items()})
+        for name, counts in figures.items():
+            histogram = log2_histogram(counts)
+            if histogram is not None:
+                writer.add_histogram_raw(name, global_step=event["step"], **histogram)
         writer.flush()

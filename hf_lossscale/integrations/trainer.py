@@ -28,6 +28,7 @@ from .callbacks import (
     LossScaleEventLogCallback,
     OverflowDiagnosisCallback,
     PreflightCallback,
+    telemetry_events,
 )
 from .loss_normalisation import fix_loss_normalisation
 
@@ -118,7 +119,9 @@ class LossScaleTrainingArguments(TrainingArguments):
     loss_scale_max_auto_fp32_modules: int | None = _setting("max_auto_fp32_modules")
     loss_scale_at_min_scale: str | None = _setting("at_min_scale")
     loss_scale_floor_event_steps: int | None = _setting("floor_event_steps")
-    loss_scale_master_weights: str | None = _setting("master_weights", "; auto, true, false, kahan or stochastic_rounding")
+    loss_scale_master_weights: str | None = _setting(
+        "master_weights", "; auto, true, false, kahan or stochastic_rounding"
+    )
     loss_scale_preflight: bool = field(
         default=False,
         metadata={
@@ -354,17 +357,14 @@ class LossScaleMixin:
         self._loss_scale_config = loss_scale_config
         self._loss_scale_fresh = loss_scale_fresh_on_resume
         self.loss_scaler: DynamicLossScaler | None = None
-        self._last_logged_counts = (0, 0, 0)  # total, skipped, non-finite-loss steps at the last training log
-        #: The telemetry snapshots read at the current log step (`param_grads`, `activation_grads`),
-        #: for callbacks such as `LossScaleTensorBoardCallback`; None between log steps.
-        self.latest_telemetry: dict[str, dict[str, Any]] | None = None
         super().__init__(*args, **kwargs)
         self.loss_normalisation = fix_loss_normalisation(self)
         self._add_loss_scale_callbacks()
 
     def _add_loss_scale_callbacks(self) -> None:
         args = self.args
-        #: The event log (`loss_scale_log.jsonl`); other callbacks write through it.
+        #: The event log (`loss_scale_log.jsonl`); its `sink` is the run's one event sink, which the
+        #: other callbacks emit into and TensorBoard reads.
         self.loss_scale_events = LossScaleEventLogCallback(
             self, enabled=getattr(args, "loss_scale_event_log", True)
         )
@@ -382,7 +382,7 @@ class LossScaleMixin:
         if "tensorboard" in (args.report_to or []):
             from .tensorboard import LossScaleTensorBoardCallback
 
-            self.add_callback(LossScaleTensorBoardCallback(self))
+            self.add_callback(LossScaleTensorBoardCallback(self, self.loss_scale_events.sink))
 
     def create_accelerator_and_postprocess(self) -> None:
         super().create_accelerator_and_postprocess()
@@ -424,35 +424,45 @@ class LossScaleMixin:
         """The Trainer's log, with the loss-scale figures on training logs only: an evaluation or
         the end-of-training summary gets none of them and leaves the "since the last log" window
         (`overflow_rate`, the telemetry snapshot) to the next training log. Non-finite numbers go
-        to every `report_to` backend and `trainer_state.json` as None (JSON `null`)."""
+        to every `report_to` backend and `trainer_state.json` as None (JSON `null`). The telemetry
+        snapshots a training log read go to the run's event sink as `telemetry` events, after the log
+        (the event log and TensorBoard take them from there)."""
+        snapshots: dict[str, Any] = {}
         if _is_training_log(logs):
             if self.loss_scaler is None and self.accelerator.distributed_type == DistributedType.DEEPSPEED:
                 logs.update(deepspeed_scale_figures(self.model_wrapped))
             if self.loss_scaler is not None:
-                self._add_loss_scale_figures(logs)
+                snapshots = self._add_loss_scale_figures(logs)
         logs.update(strict_json(logs))  # in place: evaluate() returns this dict as its metrics
-        try:
-            super().log(logs, *args, **kwargs)  # the callbacks' on_log sees latest_telemetry
-        finally:
-            self.latest_telemetry = None
+        super().log(logs, *args, **kwargs)
+        for event in telemetry_events(snapshots, self.state.global_step):
+            self.loss_scale_events.sink.emit(event, keep=False)  # histograms: the file keeps them
 
-    def _add_loss_scale_figures(self, logs: dict[str, Any]) -> None:
-        stats = self.loss_scaler.stats()
-        last_total, last_skipped, last_nonfinite = self._last_logged_counts
-        steps = stats["total_steps"] - last_total
-        skipped = stats["skipped_steps"] - last_skipped
-        nonfinite = stats["nonfinite_loss_steps"] - last_nonfinite
+    def _previous_training_log(self) -> dict[str, Any]:
+        """The counters at the previous training log, as the run's history holds them (a resumed run's
+        history included, so the window is the uninterrupted run's); zeros before the first."""
+        for entry in reversed(self.state.log_history):
+            if "skipped_steps" in entry and "loss" in entry:
+                return entry
+        return {"step": 0, "skipped_steps": 0, "nonfinite_loss_steps": 0}
+
+    def _add_loss_scale_figures(self, logs: dict[str, Any]) -> dict[str, Any]:
+        """The scaler's figures into `logs`; returns the telemetry snapshots read (by source)."""
+        stats = (
+            self.loss_scaler.stats()
+        )  # the one source of the counts: the window is a difference of its counters
+        previous = self._previous_training_log()
+        steps = self.state.global_step - previous["step"]
+        skipped = stats["skipped_steps"] - previous["skipped_steps"]
+        nonfinite = stats["nonfinite_loss_steps"] - previous.get("nonfinite_loss_steps", 0)
+        if skipped < 0 or nonfinite < 0:  # a fresh scaler on resume: its counters start again at 0
+            skipped, nonfinite = stats["skipped_steps"], stats["nonfinite_loss_steps"]
         logs["loss_scale"] = stats["loss_scale"]
         logs["skipped_steps"] = stats["skipped_steps"]
         logs["nonfinite_loss_steps"] = stats["nonfinite_loss_steps"]
         logs["overflow_rate"] = skipped / steps if steps > 0 else 0.0
         # 1.0 when FP16 was emulated on the CPU: such figures are not GPU measurements.
         logs["fp16_emulated"] = float(getattr(self.accelerator, "hf_lossscale_fp16", "") == "emulated")
-        self._last_logged_counts = (
-            stats["total_steps"],
-            stats["skipped_steps"],
-            stats["nonfinite_loss_steps"],
-        )
         if "loss" in logs:
             # Steps whose loss was non-finite, in the window this loss averages.
             logs["loss_nonfinite_in_window"] = nonfinite
@@ -481,8 +491,7 @@ class LossScaleMixin:
         probe = self.activation_probe.read() if self.activation_probe is not None else None
         if probe is not None:
             logs["act_grad_lost_frac"] = probe["lost_frac"]
-        snapshots = {"param_grads": telemetry, "activation_grads": probe}
-        self.latest_telemetry = {k: v for k, v in snapshots.items() if v is not None} or None
+        return {"param_grads": telemetry, "activation_grads": probe}
 
     # ------------------------------------------------------------------ training
     def train(self, resume_from_checkpoint: str | bool | None = None, *args: Any, **kwargs: Any) -> Any:
@@ -546,13 +555,6 @@ class LossScaleMixin:
             run_in_fp32(
                 self.accelerator.unwrap_model(self.model), scaler.state.fp32_modules, include_model_own=False
             )
-        # `overflow_rate` counts from the checkpoint on, as the uninterrupted run does.
-        stats = scaler.stats()
-        self._last_logged_counts = (
-            stats["total_steps"],
-            stats["skipped_steps"],
-            stats["nonfinite_loss_steps"],
-        )
 
     def _no_scaler_state(self, problem: str) -> None:
         if self._fresh_on_resume:
