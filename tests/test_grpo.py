@@ -236,6 +236,11 @@ def test_mismatch_drift_is_a_slope_per_100_steps_and_warns_only_on_growth():
     )
     with pytest.raises(ValueError, match="growth"):
         MismatchDrift(growth=1.0)
+    # transformers' ExportableState: rebuilt from its state() as the Trainer does on resume
+    drift.warned = True
+    copy = MismatchDrift.from_state(json.loads(json.dumps(drift.state())))
+    assert (copy.min_steps, copy.steps, copy.values, copy.warned) == (4, drift.steps, drift.values, True)
+    assert copy.summary() == got
     # the shape every run has (all 9 runs of grpo_addition_cpu, FP32 included): k3 from ~0 at
     # initialization to rounding level as the policy sharpens; growing only where it ends >= min_value
     noise, real = MismatchDrift(min_steps=4), MismatchDrift(min_steps=4)
@@ -307,15 +312,30 @@ def test_applied_steps_only_skips_the_wrapped_callback_on_a_skipped_step(tmp_pat
 
 def test_a_resumed_run_keeps_counting_applied_steps(tmp_path):
     """Resumed from a checkpoint after a skipped step, the applied-step count (which schedules the
-    reference sync) continues from the restored scaler's counters: 4 steps with one skipped give 3
-    applied steps, as in the uninterrupted run. Bug caught: the count restarting at 0 on resume, so
-    the reference syncs fall on other steps than an uninterrupted run's."""
+    reference sync) is the restored scaler's counters (`total_steps - skipped_steps`, the one source):
+    4 steps with one skipped give 3 applied steps, as in the uninterrupted run. The k3 drift's series
+    travels in the checkpoint (`ExportableState` in trainer_state.json) and comes back with and
+    without transformers' `restore_callback_states_from_checkpoint`, so the resumed run's drift covers
+    steps 1-4 as the uninterrupted run's does. Bugs caught: the count restarting at 0 on resume (the
+    reference syncs fall on other steps), a count kept beside the scaler's that drifts from it, the
+    drift restarting from the resume (its slope over the last steps only; a second warning)."""
     whole, _ = grpo(tmp_path / "whole", callbacks=[InjectAndWatch(bad=2)])
     cut, _ = grpo(tmp_path / "cut", callbacks=[InjectAndWatch(bad=2)], save_strategy="steps", save_steps=3)
     checkpoint = tmp_path / "cut" / "out" / "checkpoint-3"
     assert checkpoint.is_dir() and whole.applied_steps == cut.applied_steps == 3
-    resumed, _ = grpo(tmp_path / "cut", callbacks=[InjectAndWatch(bad=99)], resume=str(checkpoint))
-    assert resumed.state.global_step == 4 and resumed.applied_steps == 3
+    stats = whole.loss_scaler.stats()
+    assert whole.applied_steps == stats["total_steps"] - stats["skipped_steps"]
+    saved = json.loads((checkpoint / "trainer_state.json").read_text())["stateful_callbacks"]["MismatchDrift"]
+    assert saved["attributes"]["steps"] == [1.0, 2.0, 3.0] and saved["args"]["min_steps"] == 20
+    assert saved["attributes"]["values"] == cut.mismatch_drift.values[:3]
+    assert whole.mismatch_drift.steps == [1.0, 2.0, 3.0, 4.0]
+    for restore in (False, True):
+        resumed, _ = grpo(tmp_path / "cut", callbacks=[InjectAndWatch(bad=99)], resume=str(checkpoint),
+                          restore_callback_states_from_checkpoint=restore)  # fmt: skip
+        assert resumed.state.global_step == 4 and resumed.applied_steps == 3
+        drift = resumed.mismatch_drift
+        assert drift.steps == [1.0, 2.0, 3.0, 4.0] and drift.values[:3] == saved["attributes"]["values"]
+        assert sum(isinstance(cb, type(drift)) for cb in resumed.callback_handler.callbacks) == 1
 
 
 def test_prompts_of_several_lengths_are_sampled_unpadded(tmp_path):

@@ -39,7 +39,9 @@ import warnings
 from typing import Any
 
 import torch
+from accelerate.utils import DistributedType
 from transformers import TrainerCallback
+from transformers.trainer_callback import ExportableState
 from trl import GRPOTrainer
 from trl.trainer.callbacks import SyncRefModelCallback
 
@@ -352,9 +354,13 @@ def combine_steps(key: str, values: list[float]) -> float | None:
     return max(finite) if how == "max" else min(finite) if how == "min" else sum(finite) / len(finite)
 
 
-class MismatchDrift:
+class MismatchDrift(TrainerCallback, ExportableState):
     """The drift of a mismatch figure over training: its least-squares slope against the optimizer step,
     per 100 steps, over every step seen so far, and whether it is growing.
+
+    In an `FP16GRPOTrainer` it is one of the trainer's callbacks (`trainer.mismatch_drift`), and its
+    series travels in every checkpoint (transformers' `ExportableState`, in `trainer_state.json`), so a
+    resumed run fits its slope over the whole run and warns once, as an uninterrupted one does.
 
     It is growing when at least `min_steps` steps are in, the slope is positive at `min_t` standard
     errors or more, the fitted line at the last step is at least `growth` times its value at the
@@ -388,6 +394,23 @@ class MismatchDrift:
         self.min_steps, self.growth, self.min_t, self.min_value = min_steps, growth, min_t, min_value
         self.steps: list[float] = []
         self.values: list[float] = []
+        #: whether the growth warning was given (once per run, resumes included)
+        self.warned = False
+
+    def state(self) -> dict[str, Any]:
+        """transformers' `ExportableState`: the settings and the series so far (plain JSON)."""
+        return {
+            "args": {"min_steps": self.min_steps, "growth": self.growth, "min_t": self.min_t,
+                     "min_value": self.min_value},
+            "attributes": {"steps": list(self.steps), "values": list(self.values), "warned": self.warned},
+        }  # fmt: skip
+
+    def restore(self, saved: dict[str, Any]) -> None:
+        """Take the series of a `state()` (a checkpoint's), keeping this instance's settings."""
+        attributes = saved.get("attributes", {})
+        self.steps = [float(x) for x in attributes.get("steps", [])]
+        self.values = [float(x) for x in attributes.get("values", [])]
+        self.warned = bool(attributes.get("warned", False))
 
     def update(self, step: int, value: float) -> None:
         if value == value:  # NaN (a step without tokens) is left out
@@ -447,21 +470,24 @@ def _entropy_controller_state(trainer: Any) -> tuple[float, float] | None:
 
 class _GRPOStepCallback(TrainerCallback):
     """Per optimizer step: finish the step's mismatch figures; on a skipped step, roll back TRL's
-    micro-step counter and its adaptive entropy controller, and record what did not advance; on an applied step, run the reference-model
-    sync on TRL's schedule counted in applied steps."""
+    micro-step counter and its adaptive entropy controller, and record what did not advance; on an
+    applied step, run the reference-model sync on TRL's schedule counted in applied steps (the
+    scaler's counters: `FP16GRPOTrainer.applied_steps`)."""
 
     def __init__(self, trainer: FP16GRPOTrainer) -> None:
         self.trainer = trainer
-        self.applied_steps = 0
-        self._resumed = False
         self._entropy_state: tuple[float, float] | None = None
 
     def on_train_begin(self, args, state, control, **kwargs):
         t = self.trainer
-        # a resumed run counts its applied steps from the restored scaler at its first step end (the
-        # Trainer restores the scaler after this event)
-        self._resumed = state.global_step > 0
-        self.applied_steps = 0
+        drift, name = t.mismatch_drift, type(t.mismatch_drift).__name__
+        saved = state.stateful_callbacks.get(name)
+        if state.global_step > 0 and isinstance(saved, dict) and not drift.steps:
+            # resumed without `restore_callback_states_from_checkpoint` (transformers' default): the
+            # drift's series comes back all the same (with it, transformers has restored it already)
+            drift.restore(saved)
+        # a checkpoint written before the drift was exportable has no entry: the Trainer's save needs one
+        state.stateful_callbacks.setdefault(name, drift.state())
         dropout = [n for n, m in t.accelerator.unwrap_model(t.model).named_modules()
                    if isinstance(m, torch.nn.Dropout) and m.p > 0]  # fmt: skip
         if dropout and t._sampler is not None:
@@ -487,11 +513,6 @@ class _GRPOStepCallback(TrainerCallback):
         t._finish_mismatch_step(state.global_step)
         lr = t.lr_scheduler.get_last_lr()[0] if t.lr_scheduler is not None else None
         skipped = _step_skipped(t)
-        if self._resumed:  # the steps applied before this one (one read of the counters, once)
-            self._resumed = False
-            stats = t.loss_scaler.stats() if t.loss_scaler is not None else None
-            before = (stats["total_steps"] - stats["skipped_steps"]) if stats else state.global_step
-            self.applied_steps = before - (0 if skipped else 1)
         if skipped:
             accumulation = t.current_gradient_accumulation_steps
             # TRL's micro-step counter (private: compat.TRL_INSTANCE_INTERNALS): the retry reuses this step's slice
@@ -500,18 +521,16 @@ class _GRPOStepCallback(TrainerCallback):
             if entropy_restored:  # the controller did not see an applied step: its update is undone
                 t.entropy_coef, t._last_world_entropy = self._entropy_state
             t.loss_scale_events.write({
-                "event": "grpo_skip", "step": state.global_step, "applied_steps": self.applied_steps,
+                "event": "grpo_skip", "step": state.global_step, "applied_steps": t.applied_steps,
                 "learning_rate": lr, "scheduler_steps": getattr(t.lr_scheduler, "last_epoch", None),
                 "trl_micro_step": t._step, "ref_model_synced": False, "entropy_coef_restored": entropy_restored,
                 "loss_scale": t.loss_scaler.get_scale() if t.loss_scaler is not None else None,
             })  # fmt: skip
             return
-        self.applied_steps += 1
-        t.applied_steps = self.applied_steps
         if (
             t.ref_model is not None
             and args.sync_ref_model
-            and self.applied_steps % args.ref_model_sync_steps == 0
+            and t.applied_steps % args.ref_model_sync_steps == 0  # one read of the counters per step
         ):
             model = t.accelerator.unwrap_model(kwargs["model"])
             SyncRefModelCallback.sync_target_model(model, t.ref_model, args.ref_model_mixup_alpha)
@@ -529,10 +548,6 @@ class FP16GRPOTrainer(LossScaleMixin, GRPOTrainer):
         #: this optimizer step's micro-batches: (trainer log p, sampler log p, completion mask)
         self._mismatch_batches: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
         self._mismatch_pending: list[tuple[int, torch.Tensor]] = []
-        #: the drift of k3 KL over the run (`mismatch/k3_kl_drift_per_100_steps`), warned about once
-        self.mismatch_drift = MismatchDrift()
-        self._drift_warned = False
-        self.applied_steps = 0
         super().__init__(*args, **kwargs)
         self.pop_callback(SyncRefModelCallback)  # replaced: the sync counts applied steps
         # The overflow diagnosis replays a step's raw batches through `compute_loss`; GRPO's batches are
@@ -541,6 +556,29 @@ class FP16GRPOTrainer(LossScaleMixin, GRPOTrainer):
         self.pop_callback(OverflowDiagnosisCallback)
         # first, so that every other callback's on_step_end sees the step's bookkeeping done
         self.callback_handler.callbacks.insert(0, _GRPOStepCallback(self))
+        # the drift of k3 KL over the run (`mismatch/k3_kl_drift_per_100_steps`), warned about once: a
+        # callback so that its series travels in checkpoints (`ExportableState`)
+        self.add_callback(MismatchDrift())
+
+    def create_accelerator_and_postprocess(self) -> None:
+        super().create_accelerator_and_postprocess()
+        _refuse_dropped_fsdp(self.args, self.accelerator)
+
+    @property
+    def applied_steps(self) -> int:
+        """Optimizer steps applied so far (not skipped), from the scaler's counters (`total_steps -
+        skipped_steps` of `stats()`, restored with it on resume: one read of the device); without a
+        scaler nothing is skipped, and it is `state.global_step`."""
+        if self.loss_scaler is None:
+            return self.state.global_step
+        stats = self.loss_scaler.stats()
+        return stats["total_steps"] - stats["skipped_steps"]
+
+    @property
+    def mismatch_drift(self) -> MismatchDrift:
+        """The k3 KL drift over the run: the `MismatchDrift` among the callbacks (transformers replaces
+        it by a restored copy on resume with `restore_callback_states_from_checkpoint`)."""
+        return next(cb for cb in self.callback_handler.callbacks if isinstance(cb, MismatchDrift))
 
     @property
     def sampler_precision(self) -> str | None:
@@ -583,6 +621,15 @@ class FP16GRPOTrainer(LossScaleMixin, GRPOTrainer):
                 torch.cat([pad(b[i], v) for b in self._mismatch_batches])
                 for i, v in ((0, 0.0), (1, 0.0), (2, False))
             )
+            if self.accelerator.num_processes > 1:
+                # every rank's completions (TRL splits the batch across ranks): the figures describe the
+                # step's whole batch and read the same on every rank, not rank 0's share
+                acc = self.accelerator
+                trainer_logps, sampler_logps, mask = (
+                    acc.gather(acc.pad_across_processes(x, dim=1, pad_index=0))
+                    for x in (trainer_logps, sampler_logps, mask.to(torch.uint8))
+                )
+                mask = mask.bool()
             self._mismatch_pending.append((step, mismatch_stats(trainer_logps, sampler_logps, mask)))
             self._mismatch_batches = []
 
@@ -599,20 +646,21 @@ class FP16GRPOTrainer(LossScaleMixin, GRPOTrainer):
                 value = combine_steps(key, list(column))
                 if value is not None:
                     logs[f"mismatch/{key}"] = value
-            k3 = MISMATCH_KEYS.index("k3_kl")
+            k3, drift = MISMATCH_KEYS.index("k3_kl"), self.mismatch_drift
             for step, row in zip(steps, values):
-                self.mismatch_drift.update(step, row[k3])
+                drift.update(step, row[k3])
             self._report_drift(logs)
             logs["applied_steps"] = self.applied_steps
         super().log(logs, *args, **kwargs)
 
     def _report_drift(self, logs: dict[str, float]) -> None:
-        drift = self.mismatch_drift.summary()
+        series = self.mismatch_drift
+        drift = series.summary()
         if drift is None:
             return
         logs["mismatch/k3_kl_drift_per_100_steps"] = drift["slope_per_100_steps"]
-        if drift["growing"] and not self._drift_warned:
-            self._drift_warned = True
+        if drift["growing"] and not series.warned:
+            series.warned = True
             self.loss_scale_events.write({"event": "mismatch_drift", "figure": "k3_kl", **drift})
             warnings.warn(
                 f"The sampler/trainer mismatch is growing: k3 KL rose from {drift['fitted_start']:.3g} to "
@@ -621,6 +669,26 @@ class FP16GRPOTrainer(LossScaleMixin, GRPOTrainer):
                 "precision, or correct for it (TRL's importance sampling).",
                 stacklevel=2,
             )
+
+
+def _refuse_dropped_fsdp(args: Any, accelerator: Any) -> None:
+    """FSDP asked for (`fsdp=True`, `fsdp_config`) but not running: Accelerate applies its FSDP plugin
+    only on accelerator devices (`AcceleratorState`: the FSDP switch sits under the GPU-type
+    distributed types), so on the CPU with several gloo ranks it drops the plugin and wraps the model
+    in DDP instead, without a word. The GRPO run would then be a DDP run that the user believes is
+    sharded: refused, with the two ways that work."""
+    if (
+        getattr(args, "fsdp_plugin_args", None) is None
+        or accelerator.distributed_type == DistributedType.FSDP
+    ):
+        return
+    raise ValueError(
+        f"fsdp={args.fsdp!r} (fsdp_config version {args.fsdp_plugin_args.get('fsdp_version')}) was asked for, but "
+        f"Accelerate runs this as {accelerator.distributed_type.value} on {accelerator.device.type}: it applies "
+        "FSDP only on accelerator devices (CUDA, XPU, NPU, ...), and on the CPU drops the plugin and wraps the "
+        "model in DDP. Drop fsdp on the CPU (DDP all-reduces the gradients, so every rank skips the same "
+        "steps), or run FSDP2 on GPUs, where FP16GRPOTrainer stays skip-aware (docs/rl.md)."
+    )
 
 
 def async_grpo_available() -> bool:

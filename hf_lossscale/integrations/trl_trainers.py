@@ -17,7 +17,7 @@ trainer.train()
 GRPO: `FP16GRPOTrainer` is skip-aware and measures the sampler/trainer mismatch with a
 `KVCacheSampler` as its `rollout_func` (`hf_lossscale.integrations.grpo`).
 
-Needs `pip install "hf_lossscale[trl]"`; tested against the TRL release in `_compat.TESTED_VERSIONS`.
+Needs `pip install "hf_lossscale[trl]"`; tested against the TRL release in `compat.TESTED_VERSIONS`.
 """
 
 from __future__ import annotations
