@@ -48,6 +48,8 @@ from typing import Any
 
 import torch
 
+from .master_step import BUCKET_ELEMENTS, Slot, chunkable, kahan_split, round_stochastic, run_chunked
+
 __all__ = [
     "MasterWeights",
     "OptimizerMasters",
@@ -61,6 +63,11 @@ __all__ = [
 
 HALF_DTYPES = (torch.float16,)
 STATE_KEY = "hf_lossscale_master"
+COMPENSATION_KEY = "hf_lossscale_compensation"  # master_weights="kahan": the FP16 compensation buffer
+RNG_KEY = "hf_lossscale_rng"  # master_weights="stochastic_rounding": the generator's state, per device
+#: How the weight the optimizer updates is held (see `master_step`): `config.master_weights` True or
+#: "auto" mean "masters".
+MODES = ("masters", "kahan", "stochastic_rounding")
 _ATTR = "_hf_lossscale_masters"  # the optimizer's own attribute holding its OptimizerMasters
 _CHECKED = (
     "_hf_lossscale_fp16_checked"  # for an optimizer without masters: (its layout, its frozen FP16 params)
@@ -141,6 +148,13 @@ class _Pair:
     # a master read from a state, checked against the weight at the next step
     loaded: torch.Tensor | None = None
     accumulator: Any = field(default=None, repr=False)  # the FP16 parameter's AccumulateGrad node
+    # master_weights="kahan": what rounding the weight lost (FP16); "kahan" and "stochastic_rounding"
+    # keep no FP32 master: `master` is then a stand-in of the right shape (one stored element) that the
+    # optimizer holds (its state's key) and the chunked update reads and writes around
+    compensation: torch.Tensor | None = None
+    shell: bool = False
+    stash: torch.Tensor | None = field(default=None, repr=False)  # the gradient, during the chunked step
+    written: bool = False  # the chunked step wrote the FP16 weight
     _marker: weakref.ref | None = field(default=None, repr=False)
 
     def marker_is(self, tensor: Any) -> bool:
@@ -175,7 +189,10 @@ def _marker_died(pair_ref: weakref.ref, ref: weakref.ref) -> None:
 class OptimizerMasters:
     """The masters of one optimizer (see the module docstring); kept as an attribute of the optimizer."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(self, optimizer: torch.optim.Optimizer, mode: str = "masters") -> None:
+        if mode not in MODES:
+            raise ValueError(f"master_weights mode {mode!r} is not one of {MODES}.")
+        self.mode = mode
         self.pairs: dict[int, _Pair] = {}  # id(FP16 parameter) -> pair (the pair holds the parameter)
         self.by_master: dict[int, _Pair] = {}  # id(master) -> pair
         # the groups' lengths when the FP16 parameters were last looked for
@@ -183,6 +200,9 @@ class OptimizerMasters:
         self._frozen: list[torch.nn.Parameter] = []  # FP16 parameters left in the groups (frozen then)
         self._hook_handles: list[Any] = []  # the FP16 parameters' gradient hooks
         self._loaded = False  # masters were loaded from a state and await their check (`take_loaded`)
+        self.generators: dict[torch.device, torch.Generator] = {}  # "stochastic_rounding"
+        self._loaded_rng: dict[torch.device, torch.Tensor] = {}
+        self._work: list[tuple[dict, list[_Pair]]] | None = None  # the chunked step under way
         ref = weakref.ref(self)
         # `optimizer.zero_grad()` clears the FP16 gradients not yet read into the masters, too (its groups
         # hold the masters): the one method wrapped, on this instance; torch has no hook for it
@@ -193,6 +213,10 @@ class OptimizerMasters:
         optimizer.register_state_dict_post_hook(functools.partial(_state_dict_hook, ref))
         optimizer.register_load_state_dict_pre_hook(functools.partial(_load_pre_hook, ref))
         optimizer.register_load_state_dict_post_hook(functools.partial(_load_post_hook, ref))
+        # the update of the FP16 parameters runs chunk by chunk (`master_step`) between torch's step hooks:
+        # their gradients are out of sight of torch's algorithm while it runs (it updates the others)
+        optimizer.register_step_pre_hook(functools.partial(_before_step, ref))
+        optimizer.register_step_post_hook(functools.partial(_after_step, ref))
         # not at interpreter exit: nothing needs releasing then, and torch may be half torn down
         weakref.finalize(self, _release, self.pairs, self._hook_handles).atexit = False
 
@@ -269,9 +293,30 @@ class OptimizerMasters:
                 f"master_weights: {label} already has optimizer state (the optimizer stepped on FP16 "
                 "weights): attach the masters before the first step."
             )
+        shell = self.mode != "masters"
+        if shell:
+            group = next(g for g in optimizer.param_groups if any(q is half for q in g["params"]))
+            why = chunkable(optimizer, group)
+            if why is not None:
+                raise ValueError(
+                    f"master_weights={self.mode!r} updates the FP16 weights itself, with torch's Adam, AdamW or SGD "
+                    f"arithmetic chunk by chunk: not with {why}. Use master_weights=True (FP32 masters) there."
+                )
+            stand_in = torch.zeros((), dtype=torch.float32, device=half.device).expand(half.shape)
+            if master is None:
+                master = torch.nn.Parameter(stand_in)
+            else:  # the FP32 state of a phase with FP32 weights, kept
+                master.data = stand_in
         if master is None:
             master = torch.nn.Parameter(half.detach().float())
-        pair = _Pair(half=half, master=master, name=name)
+        pair = _Pair(half=half, master=master, name=name, shell=shell)
+        if self.mode == "kahan":
+            pair.compensation = torch.zeros_like(half, memory_format=torch.contiguous_format)
+        if self.mode == "stochastic_rounding" and half.device not in self.generators:
+            gen = torch.Generator(device=half.device)
+            # seeded from the process's seed (`torch.manual_seed`), without drawing from its stream
+            gen.manual_seed((torch.initial_seed() + 0x5EED) % 2**63)
+            self.generators[half.device] = gen
         pair.version = pair.weight_version()
         self.pairs[id(half)] = pair
         self.by_master[id(master)] = pair
@@ -291,6 +336,21 @@ class OptimizerMasters:
         and bring the masters in line with weights written from outside."""
         self._refresh_masters()
         fresh_src, fresh_dst, fresh_pairs = [], [], []
+        fresh = 0
+
+        def hand_over() -> None:
+            # a bucket at a time, each FP16 gradient freed as soon as it is cast: never all the FP16 and
+            # all the FP32 gradients at once
+            with torch.no_grad():
+                torch._foreach_copy_(fresh_dst, fresh_src)
+            fresh_src.clear()
+            for pair, dst in zip(fresh_pairs, fresh_dst, strict=True):
+                pair.master.grad = dst
+                pair.on_top = False
+                pair.leave_marker()
+            fresh_dst.clear()
+            fresh_pairs.clear()
+
         for pair in self.pairs.values():
             grad = pair.half.grad
             if grad is None:
@@ -312,17 +372,15 @@ class OptimizerMasters:
                 pair.leave_marker()
             else:
                 fresh_src.append(grad)
-                dst = torch.empty_like(pair.master)
-                fresh_dst.append(dst)
+                fresh_dst.append(torch.empty(grad.shape, dtype=torch.float32, device=grad.device))
                 fresh_pairs.append(pair)
+                fresh += grad.numel()
+                if fresh >= BUCKET_ELEMENTS:
+                    hand_over()
+                    fresh = 0
+            del grad
         if fresh_pairs:
-            with torch.no_grad():
-                torch._foreach_copy_(fresh_dst, fresh_src)
-            del fresh_src
-            for pair, dst in zip(fresh_pairs, fresh_dst, strict=True):
-                pair.master.grad = dst
-                pair.on_top = False
-                pair.leave_marker()
+            hand_over()
 
     def take_loaded(self, final: bool) -> None:
         """Masters loaded from a state that round to their FP16 weights replace the masters; the others
@@ -330,21 +388,29 @@ class OptimizerMasters:
         warning that names the parameter."""
         if not self._loaded:  # nothing loaded since the last check: no pass over the pairs
             return
+        for device, rng in self._loaded_rng.items():
+            gen = self.generators.get(device)
+            if gen is not None:
+                gen.set_state(rng)
+        self._loaded_rng = {}
         loaded = [p for p in self.pairs.values() if p.loaded is not None]
         self._loaded = not final  # a mismatch may wait for the weights; the next step's check settles it
         if loaded:
             with torch.no_grad():
-                agree = torch.stack([(p.loaded.to(p.half.dtype) == p.half).all() for p in loaded]).tolist()
+                agree = torch.stack([_agrees(p, p.loaded) for p in loaded]).tolist()
                 for pair, ok in zip(loaded, agree, strict=True):
                     if not ok and not final:
                         continue
-                    pair.master.copy_(pair.loaded if ok else pair.half)
+                    if pair.compensation is not None:  # "kahan": the buffer, or none
+                        pair.compensation.copy_(pair.loaded) if ok else pair.compensation.zero_()
+                    else:
+                        pair.master.copy_(pair.loaded if ok else pair.half)
                     if not ok:
                         warnings.warn(
-                            f"master_weights: the FP32 master loaded for {pair.name or 'a parameter of shape '}"
+                            f"master_weights: the {'compensation' if pair.shell else 'FP32 master'} loaded for {pair.name or 'a parameter of shape '}"
                             f"{'' if pair.name else tuple(pair.half.shape)} does not round to its FP16 weight "
                             "(a stale entry, from before a phase that trained the weights without masters, or a "
-                            "corrupted file): rebuilt from the weight.",
+                            "corrupted file): " + ("dropped." if pair.shell else "rebuilt from the weight."),
                             stacklevel=5,
                         )
                     pair.loaded = None
@@ -362,18 +428,130 @@ class OptimizerMasters:
         for pair in self.pairs.values():
             if pair.weight_version() != pair.version:
                 with torch.no_grad():
-                    pair.master.copy_(pair.half)
+                    if pair.compensation is not None:  # the weight written is the value: nothing to carry
+                        pair.compensation.zero_()
+                    elif not pair.shell:
+                        pair.master.copy_(pair.half)
                 pair.version = pair.weight_version()
 
     def write_back(self) -> None:
-        """The FP16 weights from the masters (round to nearest even)."""
-        pairs = list(self.pairs.values())
+        """The FP16 weights from the masters (round to nearest even), where the chunked step has not
+        written them already."""
+        pairs = []
+        for pair in self.pairs.values():
+            if pair.written or pair.shell:
+                pair.written = False
+                pair.version = pair.weight_version()
+            else:
+                pairs.append(pair)
         if not pairs:
             return
         with torch.no_grad():
             torch._foreach_copy_([p.half for p in pairs], [p.master for p in pairs])
         for pair in pairs:
             pair.version = pair.weight_version()
+
+    # ------------------------------------------------------------------ the chunked step
+    def set_aside(self, optimizer: torch.optim.Optimizer) -> None:
+        """Before torch's algorithm runs: the gradients of the pairs whose update runs chunk by chunk are
+        taken out of its sight (it updates the optimizer's other parameters)."""
+        self.restore()
+        work = []
+        for group in optimizer.param_groups:
+            if chunkable(optimizer, group) is not None:
+                continue
+            taken = []
+            for param in group["params"]:
+                pair = self.by_master.get(id(param))
+                if pair is None or pair.master is not param or param.grad is None or param.grad.is_sparse:
+                    continue
+                pair.stash, param.grad = param.grad, None
+                taken.append(pair)
+            if taken:
+                work.append((group, taken))
+        self._work = work
+
+    def update(self, optimizer: torch.optim.Optimizer) -> None:
+        """After torch's algorithm: the pairs set aside, updated chunk by chunk with the same arithmetic
+        (and `grad_scale`/`found_inf`, as the scaler hands them to a fused optimizer), and their FP16
+        weights written in the same pass."""
+        work, self._work = self._work, None
+        if not work:
+            return
+        grad_scale = getattr(optimizer, "grad_scale", None)
+        found_inf = getattr(optimizer, "found_inf", None)
+        try:
+            for group, pairs in work:
+                run_chunked(
+                    optimizer, group, [self._slot(p, found_inf) for p in pairs], grad_scale, found_inf
+                )
+                for pair in pairs:
+                    pair.written = True
+        finally:
+            self._work = work
+            self.restore()
+
+    def restore(self) -> None:
+        """The gradients set aside, back on their masters (a step that raised leaves them there too)."""
+        work, self._work = self._work, None
+        for _, pairs in work or ():
+            for pair in pairs:
+                if pair.stash is not None:
+                    pair.master.grad, pair.stash = pair.stash, None
+
+    def _slot(self, pair: _Pair, found_inf: torch.Tensor | None) -> Slot:
+        grad, half, comp = pair.stash, pair.half, pair.compensation
+        flat = grad.is_contiguous() and half.is_contiguous() and (pair.shell or pair.master.is_contiguous())
+
+        def part(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
+            return t.view(-1)[a:b] if flat else t
+
+        def kept(a: int, b: int, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
+            # a step the fused kernel skipped on the device leaves the stored value bitwise as it was
+            return new if found_inf is None else torch.where(found_inf > 0, old, new)
+
+        if not pair.shell:
+            master = pair.master
+
+            def load(a: int, b: int) -> torch.Tensor:
+                return part(master, a, b)
+
+            def store(a: int, b: int, new: torch.Tensor) -> None:
+                part(half, a, b).copy_(new)
+
+        elif comp is not None:
+
+            def load(a: int, b: int) -> torch.Tensor:
+                return part(half, a, b).float() + part(comp, a, b).float()
+
+            def store(a: int, b: int, new: torch.Tensor) -> None:
+                w, c = part(half, a, b), part(comp, a, b)
+                if found_inf is None:
+                    kahan_split(new, w, c)
+                else:
+                    w16, c16 = torch.empty_like(w), torch.empty_like(c)
+                    kahan_split(new, w16, c16)
+                    w.copy_(kept(a, b, w16, w))
+                    c.copy_(kept(a, b, c16, c))
+
+        else:
+            gen = self.generators[half.device]
+
+            def load(a: int, b: int) -> torch.Tensor:
+                return part(half, a, b).float()
+
+            def store(a: int, b: int, new: torch.Tensor) -> None:
+                w = part(half, a, b)
+                w.copy_(kept(a, b, round_stochastic(new, gen), w))
+
+        return Slot(
+            key=pair.master,
+            numel=half.numel(),
+            flat=flat,
+            grad_of=lambda a, b: part(grad, a, b),
+            load=load,
+            store=store,
+        )
 
     def master_of(self, param: torch.Tensor) -> torch.Tensor:
         pair = self.pairs.get(id(param))
@@ -382,6 +560,34 @@ class OptimizerMasters:
     def half_of(self, param: torch.Tensor) -> torch.Tensor | None:
         pair = self.by_master.get(id(param))
         return pair.half if pair is not None and pair.master is param else None
+
+
+def _extra_bytes(pair: _Pair) -> int:
+    if pair.compensation is not None:
+        return pair.compensation.numel() * pair.compensation.element_size()
+    return 0 if pair.shell else pair.master.numel() * pair.master.element_size()
+
+
+def _agrees(pair: _Pair, loaded: torch.Tensor) -> torch.Tensor:
+    """Whether a loaded entry belongs to the FP16 weight: a master rounds to it; a compensation is at most
+    half the FP16 spacing at the weight, on its side (a 0-d bool tensor)."""
+    if pair.compensation is None:
+        return (loaded.to(pair.half.dtype) == pair.half).all()
+    toward = torch.where(loaded > 0, float("inf"), float("-inf")).to(pair.half.dtype)
+    spacing = (torch.nextafter(pair.half, toward).float() - pair.half.float()).abs()
+    return (loaded.float().abs() <= spacing / 2).all()
+
+
+def _before_step(ref: weakref.ref, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    masters = ref()
+    if masters is not None and masters.pairs:
+        masters.set_aside(optimizer)
+
+
+def _after_step(ref: weakref.ref, optimizer: torch.optim.Optimizer, args: tuple, kwargs: dict) -> None:
+    masters = ref()
+    if masters is not None and masters._work is not None:
+        masters.update(optimizer)
 
 
 def _release(pairs: dict[int, _Pair], handles: list) -> None:
@@ -461,10 +667,22 @@ def _state_dict_hook(ref: weakref.ref, optimizer: torch.optim.Optimizer, state_d
     if masters is None:
         return state_dict
     packed = state_dict["state"]
+    devices = set()
     for index, param in _first_places(optimizer.param_groups):
         pair = masters.by_master.get(id(param))
         if pair is not None and pair.master is param:
-            packed[index] = {**packed.get(index, {}), STATE_KEY: param.detach()}
+            if pair.compensation is not None:
+                extra = {COMPENSATION_KEY: pair.compensation.detach().clone()}
+            elif pair.shell:
+                extra = {}
+            else:
+                extra = {STATE_KEY: param.detach()}
+            gen = masters.generators.get(pair.half.device)
+            if gen is not None and pair.half.device not in devices:  # each device's generator, once
+                devices.add(pair.half.device)
+                extra[RNG_KEY] = gen.get_state()
+            if extra:
+                packed[index] = {**packed.get(index, {}), **extra}
     return state_dict
 
 
@@ -479,18 +697,34 @@ def _load_pre_hook(ref: weakref.ref, optimizer: torch.optim.Optimizer, state_dic
     id_map = dict(zip(saved, current, strict=False))  # as torch maps them
     state = {}
     for key, entry in state_dict["state"].items():
-        if isinstance(entry, dict) and STATE_KEY in entry:
+        if isinstance(entry, dict) and RNG_KEY in entry:
             entry = dict(entry)
-            value = entry.pop(STATE_KEY)
+            rng = entry.pop(RNG_KEY)
             param = id_map.get(key)
             pair = masters.by_master.get(id(param)) if param is not None else None
+            if pair is not None and pair.half.device in masters.generators and isinstance(rng, torch.Tensor):
+                masters._loaded_rng[pair.half.device] = rng.detach().to("cpu", torch.uint8)
+                masters._loaded = True
+        if isinstance(entry, dict) and (STATE_KEY in entry or COMPENSATION_KEY in entry):
+            entry = dict(entry)
+            value = entry.pop(STATE_KEY, None)
+            comp = entry.pop(COMPENSATION_KEY, None)
+            param = id_map.get(key)
+            pair = masters.by_master.get(id(param)) if param is not None else None
+            if pair is not None and (
+                (comp is None) != (pair.compensation is None) or pair.shell and comp is None
+            ):
+                value = None  # a state of another mode: the weights alone stand (a stale entry)
+            else:
+                value = comp if comp is not None else value
             if pair is not None and pair.master is param and isinstance(value, torch.Tensor):
                 if value.shape != param.shape:
                     raise ValueError(
                         f"master_weights: the loaded master for {pair.name or 'a parameter'} has shape "
                         f"{tuple(value.shape)}, its parameter {tuple(param.shape)}: not this model's state."
                     )
-                pair.loaded = value.detach().to(device=param.device, dtype=torch.float32)
+                dtype = torch.float16 if pair.compensation is not None else torch.float32
+                pair.loaded = value.detach().to(device=param.device, dtype=dtype)
                 masters._loaded = True
         state[key] = entry
     return {**state_dict, "state": state}
@@ -516,21 +750,36 @@ def _load_post_hook(ref: weakref.ref, optimizer: torch.optim.Optimizer) -> None:
         masters.take_loaded(final=False)
 
 
-def masters_of(optimizer: Any, create: bool = False) -> OptimizerMasters | None:
+def mode_of(setting: Any) -> str:
+    """The way of holding the weights that `config.master_weights` names (True and "auto": "masters")."""
+    return setting if setting in MODES[1:] else "masters"
+
+
+def masters_of(optimizer: Any, create: bool = False, mode: str = "masters") -> OptimizerMasters | None:
     """The optimizer's masters (the torch optimizer inside Accelerate's wrapper), made when `create`."""
     inner = _inner(optimizer)
     found = inner.__dict__.get(_ATTR)
     if found is None and create:
-        found = OptimizerMasters(inner)
+        found = OptimizerMasters(inner, mode)
         inner.__dict__[_ATTR] = found
+    elif found is not None and create and found.mode != mode:
+        raise ValueError(
+            f"master_weights: this optimizer holds its FP16 parameters' weights as {found.mode!r}, and this "
+            f"scaler is configured for {mode!r}: one optimizer keeps one way (make a new optimizer to change it)."
+        )
     return found
 
 
 class MasterWeights:
     """The scaler's view of the masters of the optimizers it steps (each optimizer holds its own)."""
 
-    def __init__(self, names: Callable[[torch.Tensor], str | None] | None = None) -> None:
+    def __init__(
+        self, names: Callable[[torch.Tensor], str | None] | None = None, mode: Any = "masters"
+    ) -> None:
         self._names = names or (lambda p: None)
+        #: how the FP16 parameters' weights are held for the optimizer: "masters", "kahan" or
+        #: "stochastic_rounding" (`config.master_weights`, see `master_step`)
+        self.mode = mode_of(mode)
         self._seen: weakref.WeakSet = weakref.WeakSet()  # optimizers with masters, for `bytes()`
 
     @staticmethod
@@ -550,7 +799,7 @@ class MasterWeights:
         if not self.half_trainable(inner) and masters_of(inner) is None:
             return 0
         self._seen.add(inner)
-        return masters_of(inner, create=True).sync_params(inner, self._names)
+        return masters_of(inner, create=True, mode=self.mode).sync_params(inner, self._names)
 
     def attached(self, optimizer: torch.optim.Optimizer) -> bool:
         found = masters_of(optimizer)
@@ -563,7 +812,7 @@ class MasterWeights:
         if found is None:
             if not self._may_need_masters(inner):
                 return
-            found = masters_of(inner, create=True)
+            found = masters_of(inner, create=True, mode=self.mode)
             self._seen.add(inner)
         found.sync_params(inner, self._names)
         found.gather()
@@ -624,21 +873,22 @@ class MasterWeights:
         return pending.float() if base is None else base + pending.float()
 
     def bytes(self, optimizer: torch.optim.Optimizer | None = None) -> int:
-        """The masters' memory (4 bytes per trainable FP16 parameter): of one optimizer, or of all
-        the live optimizers this scaler made masters for."""
+        """What holding the weights costs beyond the FP16 weights themselves: 4 bytes per trainable FP16
+        parameter for masters, 2 for "kahan" (its compensation buffer), 0 for "stochastic_rounding"; of
+        one optimizer, or of all the live optimizers this scaler made masters for."""
         optimizers = [_inner(optimizer)] if optimizer is not None else list(self._seen)
         return sum(
-            p.master.numel() * p.master.element_size()
+            _extra_bytes(p)
             for opt in optimizers
             if (found := masters_of(opt)) is not None
             for p in found.pairs.values()
         )
 
     def __getstate__(self) -> dict[str, Any]:  # the masters belong to the optimizers, not to a pickle
-        return {"_names": None}
+        return {"_names": None, "mode": self.mode}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__()
+        self.__init__(mode=state.get("mode", "masters"))
 
 
 def gradient_of(param: torch.Tensor) -> torch.Tensor | None:

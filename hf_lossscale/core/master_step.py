@@ -1,0 +1,279 @@
+"""The optimizer's own update for FP16 parameters, run chunk by chunk (issue 49).
+
+torch's Adam, AdamW and SGD are elementwise: each element of a parameter is updated from the same
+elements of its gradient and state. Their functional forms (`torch.optim.adam.adam`,
+`torch.optim.sgd.sgd`) take lists of tensors, so they run just as well on chunks (views) of the
+parameters, the gradients and the moments. That is what lets a model held in FP16 step without an
+FP32 gradient for every parameter at once: each chunk's FP32 gradient is made from the FP16 one
+(and the unscale factor) right before the chunk is updated, and freed right after, and the FP16
+weights of the chunk are written in the same pass. The arithmetic is torch's, in torch's kernels
+(for-loop, foreach or fused, as the parameter group asks), so the result equals torch's
+optimizer on FP32 weights bitwise.
+
+Three ways to hold the weight the optimizer updates (`LossScaleConfig.master_weights`):
+
+- `"masters"` (True / "auto"): an FP32 master per parameter, updated in place; the FP16 weight is
+  the master rounded to nearest.
+- `"kahan"`: the FP16 weight plus an FP16 compensation buffer: the chunk's FP32 weight is their sum,
+  and after the update the FP16 weight is its rounding and the buffer what the rounding lost
+  (compensated summation: an update below half an FP16 ulp accumulates in the buffer instead of
+  being lost). 2 + 2 bytes per parameter instead of 2 + 4.
+- `"stochastic_rounding"`: the FP16 weight alone: the updated FP32 chunk is rounded to one of its two
+  FP16 neighbours with the probability that makes the rounding unbiased (seeded: a `torch.Generator`
+  per device whose state travels in the optimizer's state). 2 bytes per parameter.
+
+Imports only torch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch.optim.adam import adam as _adam
+from torch.optim.sgd import sgd as _sgd
+
+__all__ = [
+    "BUCKET_ELEMENTS",
+    "Slot",
+    "chunkable",
+    "run_chunked",
+    "round_stochastic",
+    "kahan_split",
+]
+
+#: Elements per bucket of chunks (one FP32 gradient of this many elements lives at a time, plus the
+#: kernels' temporaries of the same size): 8 MiB of FP32.
+BUCKET_ELEMENTS = 1 << 21
+#: A tensor is cut at multiples of this many elements: the CPU kernels' vector loops (and CUDA's
+#: vectorised loads) then cover the same elements as over the whole tensor, so the result is bitwise
+#: the whole tensor's (a cut mid-vector moves elements to the scalar tail, which rounds differently).
+ALIGN = 64
+
+_KINDS = {torch.optim.Adam: "adam", torch.optim.AdamW: "adam", torch.optim.SGD: "sgd"}
+
+
+def chunkable(optimizer: torch.optim.Optimizer, group: dict) -> str | None:
+    """None when the group's update can run chunk by chunk here; otherwise why not (in words)."""
+    kind = _KINDS.get(type(optimizer))
+    if kind is None:
+        return f"{type(optimizer).__name__} (chunked updates cover torch's Adam, AdamW and SGD)"
+    if group.get("differentiable"):
+        return "differentiable=True"
+    if group.get("capturable") and not group.get("fused"):
+        return "capturable=True without fused=True"
+    if kind == "adam" and torch.is_tensor(group.get("lr")):
+        return "a tensor learning rate"
+    return None
+
+
+@dataclass(eq=False)
+class Slot:
+    """One parameter's part of a chunked update: `key` is the parameter the optimizer holds (its state's
+    key), `grad_of(a, b)` the chunk's FP32 gradient (unscaled), `load(a, b)` the chunk's FP32 weight (a
+    view to update in place, or a temporary), `store(a, b, new)` writes the updated chunk back (the FP16
+    weight, the buffer); `numel` the elements, `flat` whether chunks are views of flattened tensors
+    (contiguous ones; otherwise the tensor is one chunk)."""
+
+    key: torch.Tensor
+    numel: int
+    flat: bool
+    grad_of: Callable[[int, int], torch.Tensor]
+    load: Callable[[int, int], torch.Tensor]
+    store: Callable[[int, int, torch.Tensor], None]
+
+
+def _scalar_dtype(fused: bool) -> torch.dtype:
+    # torch.optim.optimizer._get_scalar_dtype, inlined (a private name)
+    return torch.float32 if fused or torch.get_default_dtype() != torch.float64 else torch.float64
+
+
+def _part(t: torch.Tensor, flat: bool, a: int, b: int) -> torch.Tensor:
+    return t.view(-1)[a:b] if flat else t
+
+
+def _adam_state(optimizer: torch.optim.Optimizer, group: dict, key: torch.Tensor) -> dict:
+    state = optimizer.state[key]
+    if len(state) == 0:  # as Adam._init_group
+        fused, capturable = bool(group["fused"]), bool(group["capturable"])
+        state["step"] = (
+            torch.zeros((), dtype=_scalar_dtype(fused), device=key.device)
+            if capturable or fused
+            else torch.tensor(0.0, dtype=_scalar_dtype(False), device="cpu")
+        )
+        state["exp_avg"] = torch.zeros(key.shape, dtype=torch.float32, device=key.device)
+        state["exp_avg_sq"] = torch.zeros(key.shape, dtype=torch.float32, device=key.device)
+        if group["amsgrad"]:
+            state["max_exp_avg_sq"] = torch.zeros(key.shape, dtype=torch.float32, device=key.device)
+    return state
+
+
+def _buckets(slots: list[Slot], size: int) -> list[list[tuple[Slot, int, int]]]:
+    """(slot, start, end) chunks packed into buckets of at most `size` elements (a tensor that cannot be
+    cut is one chunk, alone if larger)."""
+    buckets: list[list[tuple[Slot, int, int]]] = [[]]
+    room = size
+    for slot in slots:
+        if not slot.flat:
+            if buckets[-1] and slot.numel > room:
+                buckets.append([])
+                room = size
+            buckets[-1].append((slot, 0, slot.numel))
+            room -= slot.numel
+            continue
+        start = 0
+        while start < slot.numel:
+            if room < ALIGN and slot.numel - start > room:
+                buckets.append([])
+                room = max(size, ALIGN)
+            # the cut at a multiple of ALIGN (or the tensor's end)
+            end = min(slot.numel, start + room // ALIGN * ALIGN) if slot.numel - start > room else slot.numel
+            buckets[-1].append((slot, start, end))
+            room -= end - start
+            start = end
+    return [b for b in buckets if b]
+
+
+def run_chunked(
+    optimizer: torch.optim.Optimizer,
+    group: dict,
+    slots: list[Slot],
+    grad_scale: torch.Tensor | None = None,
+    found_inf: torch.Tensor | None = None,
+    bucket: int = BUCKET_ELEMENTS,
+) -> None:
+    """The group's update of `slots`, bucket by bucket, with torch's functional kernels (the group's
+    for-loop / foreach / fused choice, and `grad_scale`/`found_inf` as the scaler hands them to a fused
+    optimizer). Each parameter's step counter moves once."""
+    if not slots:
+        return
+    kind = _KINDS[type(optimizer)]
+    if kind == "adam":
+        states = {id(s.key): _adam_state(optimizer, group, s.key) for s in slots}
+    else:
+        states = {id(s.key): optimizer.state[s.key] for s in slots} if group["momentum"] != 0 else {}
+    new_buffers: dict[int, torch.Tensor] = {}  # SGD's first step: full momentum buffers, filled per chunk
+    with torch.no_grad():
+        for chunks in _buckets(slots, bucket):
+            if kind == "sgd" and group["momentum"] != 0 and group["fused"]:
+                # torch's fused SGD reads "first step" off the first buffer: one kind per call
+                first = [c for c in chunks if "momentum_buffer" not in states[id(c[0].key)]]
+                rest = [c for c in chunks if "momentum_buffer" in states[id(c[0].key)]]
+                parts = [p for p in (first, rest) if p]
+            else:
+                parts = [chunks]
+            for part in parts:
+                _run_part(optimizer, group, kind, part, states, new_buffers, grad_scale, found_inf)
+    for key_id, buf in new_buffers.items():
+        states[key_id]["momentum_buffer"] = buf
+
+
+def _run_part(
+    optimizer: torch.optim.Optimizer,
+    group: dict,
+    kind: str,
+    chunks: list[tuple[Slot, int, int]],
+    states: dict[int, dict],
+    new_buffers: dict[int, torch.Tensor],
+    grad_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+) -> None:
+    values = [slot.load(a, b) for slot, a, b in chunks]
+    grads = [slot.grad_of(a, b) for slot, a, b in chunks]
+    if kind == "adam":
+        steps = []
+        for slot, _, b in chunks:
+            real = states[id(slot.key)]["step"]
+            # the counter moves once per parameter: at its last chunk; the others count on a copy
+            steps.append(real if b == slot.numel else real.clone())
+        state = [states[id(slot.key)] for slot, _, _ in chunks]
+        beta1, beta2 = group["betas"]
+        _adam(
+            values,
+            grads,
+            [_part(s["exp_avg"], slot.flat, a, b) for s, (slot, a, b) in zip(state, chunks, strict=True)],
+            [_part(s["exp_avg_sq"], slot.flat, a, b) for s, (slot, a, b) in zip(state, chunks, strict=True)],
+            [
+                _part(s["max_exp_avg_sq"], slot.flat, a, b)
+                for s, (slot, a, b) in zip(state, chunks, strict=True)
+            ]
+            if group["amsgrad"]
+            else [],
+            steps,
+            amsgrad=group["amsgrad"],
+            has_complex=False,
+            beta1=beta1,
+            beta2=beta2,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            eps=group["eps"],
+            maximize=group["maximize"],
+            foreach=group["foreach"],
+            capturable=group["capturable"],
+            differentiable=False,
+            fused=group["fused"],
+            grad_scale=grad_scale,
+            found_inf=found_inf,
+            decoupled_weight_decay=group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW),
+        )
+    else:
+        momentum = group["momentum"] != 0
+        buffers: list[torch.Tensor | None] = []
+        if momentum:
+            for slot, a, b in chunks:
+                buf = states[id(slot.key)].get("momentum_buffer")
+                buffers.append(None if buf is None else _part(buf, slot.flat, a, b))
+        _sgd(
+            values,
+            grads,
+            buffers,
+            weight_decay=group["weight_decay"],
+            momentum=group["momentum"],
+            lr=group["lr"],
+            dampening=group["dampening"],
+            nesterov=group["nesterov"],
+            maximize=group["maximize"],
+            has_sparse_grad=False,
+            foreach=group["foreach"],
+            fused=group["fused"],
+            grad_scale=grad_scale,
+            found_inf=found_inf,
+        )
+        if momentum:
+            for (slot, a, b), buf in zip(chunks, buffers, strict=True):
+                if "momentum_buffer" in states[id(slot.key)]:
+                    continue  # updated in place
+                full = new_buffers.get(id(slot.key))
+                if full is None:
+                    full = new_buffers[id(slot.key)] = torch.empty(
+                        slot.key.shape, dtype=torch.float32, device=slot.key.device
+                    )
+                _part(full, slot.flat, a, b).copy_(buf)
+    del grads
+    for (slot, a, b), value in zip(chunks, values, strict=True):
+        slot.store(a, b, value)
+
+
+# ---------------------------------------------------------------------- FP16 storage of the weight
+def kahan_split(value: torch.Tensor, weight: torch.Tensor, compensation: torch.Tensor) -> None:
+    """Write the FP32 `value` as FP16 `weight` (rounded to nearest) + FP16 `compensation` (what the
+    rounding lost, rounded)."""
+    weight.copy_(value)
+    compensation.copy_(value - weight.float())
+
+
+def round_stochastic(value: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+    """FP32 `value` rounded to FP16 stochastically: to the FP16 neighbour above or below with the
+    probability that makes the rounding unbiased (E[round(x)] = x, for x within FP16's range). Values
+    that round to inf or NaN are rounded to nearest."""
+    nearest = value.half()
+    back = nearest.float()
+    diff = value - back  # exact (Sterbenz): the two are within one FP16 ulp
+    toward = torch.where(diff > 0, float("inf"), float("-inf")).to(torch.float16)
+    other = torch.nextafter(nearest, toward)
+    gap = other.float() - back
+    prob = torch.where(diff != 0, diff / gap, 0.0)  # in [0, 1/2]
+    draw = torch.rand(value.shape, generator=generator, device=value.device, dtype=torch.float32)
+    take = (draw < prob) & torch.isfinite(other) & torch.isfinite(nearest)
+    return torch.where(take, other, nearest)
