@@ -141,7 +141,7 @@ def test_training_arguments_follow_the_config_field_by_field():
     import typing
 
     from hf_lossscale import LossScaleConfig, LossScaleTrainingArguments
-    from hf_lossscale.integrations.trainer import ARG_TO_FIELD, _shown
+    from hf_lossscale.integrations.training_args import ARG_TO_FIELD, shown
 
     config_fields = {f.name: f for f in dataclasses.fields(LossScaleConfig)}
     arg_fields = {f.name: f for f in dataclasses.fields(LossScaleTrainingArguments)}
@@ -159,7 +159,7 @@ def test_training_arguments_follow_the_config_field_by_field():
         }, arg
         help_text = spec.metadata["help"]
         assert help_text.startswith(target.metadata["help"]), arg
-        assert f"(default {_shown(target.default)}" in help_text, arg
+        assert f"(default {shown(target.default)}" in help_text, arg
         assert getattr(LossScaleConfig(), name) == target.default  # the help's default is the one in force
 
 
@@ -170,3 +170,47 @@ def test_a_huge_value_is_quoted_capped_in_the_error():
     with pytest.raises(ValueError, match=r"\(2000002 characters\) is not one of") as err:
         LossScaleConfig(mode="x" * 2_000_000)
     assert len(str(err.value)) < 400
+
+
+# ---------------------------------------------------------------- the model's FP16 handling (FP16Config)
+def test_the_fp16_part_is_a_config_of_its_own_with_the_same_fields_defaults_and_checks():
+    """`config.fp16` is an `FP16Config` holding exactly `FP16_FIELDS`, with `LossScaleConfig`'s
+    defaults and normalisation (master_weights as True/False/'auto'/'kahan'/'stochastic_rounding',
+    fp32_modules split at commas); a bad value names `FP16Config.<field>`; the fields stay readable
+    and writable on `LossScaleConfig`. Bug caught: the two configs' defaults drifting apart, or a
+    master_weights spelling one accepts and the other refuses."""
+    import dataclasses
+
+    from hf_lossscale.core.config import FP16_FIELDS, FP16Config
+
+    assert tuple(f.name for f in dataclasses.fields(FP16Config)) == FP16_FIELDS
+    assert set(FP16_FIELDS) <= set(LossScaleConfig.field_names())
+    assert FP16Config() == LossScaleConfig().fp16
+    for given, expected in ((True, True), ("off", False), (" Kahan ", "kahan"), ("stochastic_rounding",
+                            "stochastic_rounding"), ("AUTO", "auto")):  # fmt: skip
+        assert LossScaleConfig(master_weights=given).master_weights == expected
+        assert FP16Config(master_weights=given).master_weights == expected
+    view = LossScaleConfig(fp32_modules="auto, lm_head", fp16_on_cpu="native", max_auto_fp32_modules=3).fp16
+    assert view == FP16Config(fp16_on_cpu="native", fp32_modules=("auto", "lm_head"), max_auto_fp32_modules=3)
+    assert view.auto_fp32 and view.fp32_patterns == ("lm_head",)
+    assert view.to_dict() == {k: LossScaleConfig(**view.to_dict()).to_dict()[k] for k in FP16_FIELDS}
+    for name, value in (("master_weights", "sometimes"), ("fp16_on_cpu", "fast"), ("max_auto_fp32_modules", 0),
+                        ("fp32_modules", "a b")):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"FP16Config\.{name}"):
+            FP16Config(**{name: value})
+        with pytest.raises(ValueError, match=rf"LossScaleConfig\.{name}"):
+            LossScaleConfig(**{name: value})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        view.master_weights = False  # a view: set the field on the LossScaleConfig
+    config = LossScaleConfig()
+    config.master_weights = False
+    assert config.fp16.master_weights is False
+
+
+def test_the_scalers_part_leaves_the_fp16_fields_out():
+    """`scaler_dict()` is `to_dict()` without the FP16 fields: what a scaler checkpoint carries."""
+    from hf_lossscale.core.config import FP16_FIELDS
+
+    config = LossScaleConfig(master_weights="kahan", hysteresis=2)
+    assert config.scaler_dict() == {k: v for k, v in config.to_dict().items() if k not in FP16_FIELDS}
+    assert "master_weights" not in config.scaler_dict() and config.scaler_dict()["hysteresis"] == 2

@@ -141,11 +141,12 @@ DEEPSPEED_FP16_KEYS = {"enabled", "auto_cast", "loss_scale", "initial_scale_powe
 
 def test_to_deepspeed_config():
     from hf_lossscale import LossScaleConfig
+    from hf_lossscale.integrations.deepspeed import to_deepspeed_config
 
     with pytest.warns(UserWarning) as record:
-        ds = LossScaleConfig(
-            init_scale=2.0**12, growth_interval=500, hysteresis=2, min_scale=4.0
-        ).to_deepspeed_config()
+        ds = to_deepspeed_config(
+            LossScaleConfig(init_scale=2.0**12, growth_interval=500, hysteresis=2, min_scale=4.0)
+        )
     assert ds == {"enabled": True, "loss_scale": 0, "initial_scale_power": 12, "loss_scale_window": 500,
                   "hysteresis": 2, "consecutive_hysteresis": False, "min_loss_scale": 4.0}  # fmt: skip
     assert set(ds) <= DEEPSPEED_FP16_KEYS
@@ -156,19 +157,20 @@ def test_to_deepspeed_config():
     with pytest.warns(
         UserWarning, match=r"init_scale=3000 is not a power of two.*growth_factor=4.*backoff_factor=0.25"
     ):
-        ds = LossScaleConfig(init_scale=3000.0, growth_factor=4.0, backoff_factor=0.25).to_deepspeed_config()
+        ds = to_deepspeed_config(LossScaleConfig(init_scale=3000.0, growth_factor=4.0, backoff_factor=0.25))
     assert ds["initial_scale_power"] == 12
-    assert LossScaleConfig(mode="static", init_scale=128.0).to_deepspeed_config() == {
+    assert to_deepspeed_config(LossScaleConfig(mode="static", init_scale=128.0)) == {
         "enabled": True,
         "loss_scale": 128.0,
     }
-    assert LossScaleConfig(mode="off").to_deepspeed_config() == {"enabled": False}
+    assert to_deepspeed_config(LossScaleConfig(mode="off")) == {"enabled": False}
 
 
 def test_deepspeed_fp16_section_is_checked_and_its_figures_logged():
     from types import SimpleNamespace
 
     from hf_lossscale import LossScaleConfig
+    from hf_lossscale.integrations.deepspeed import to_deepspeed_config
     from hf_lossscale.integrations.trainer import check_deepspeed_fp16, deepspeed_scale_figures
 
     config = LossScaleConfig(init_scale=2.0**12, hysteresis=2)
@@ -182,7 +184,7 @@ def test_deepspeed_fp16_section_is_checked_and_its_figures_logged():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         with pytest.warns(UserWarning):  # only to_deepspeed_config's own note, which the check silences
-            section = config.to_deepspeed_config()
+            section = to_deepspeed_config(config)
         assert check_deepspeed_fp16(config, section) == []
     engine = SimpleNamespace(optimizer=SimpleNamespace(cur_scale=1024.0), skipped_steps=3)
     assert deepspeed_scale_figures(engine) == {"loss_scale": 1024.0, "skipped_steps": 3}

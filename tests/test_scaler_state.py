@@ -10,6 +10,7 @@ import torch
 from tiny_models import scaler_step
 
 from hf_lossscale import DynamicLossScaler, LossScaleConfig
+from hf_lossscale.core.config import FP16_FIELDS
 from hf_lossscale.core.scaler_observers import ScalerObserver
 from hf_lossscale.core.scaler_state import FIELDS, ScalerState
 
@@ -26,11 +27,13 @@ def test_checkpoint_written_before_the_state_split_loads_and_continues():
     scaler = DynamicLossScaler(**config)
     scaler.load_state_dict(saved["state"])
     written = scaler.state_dict()
-    # every key it had comes back unchanged; the config gains the fields added since, at their defaults
+    # every key it had comes back unchanged; the config gains the fields added since, at their defaults,
+    # and leaves the model's FP16 handling (FP16_FIELDS) out: it is no longer the scaler's
     assert {k: v for k, v in written.items() if k in saved["state"] and k != "config"} == {
         k: v for k, v in saved["state"].items() if k != "config"
     }
-    assert written["config"] == {**LossScaleConfig().to_dict(), **saved["state"]["config"]}
+    expected = {**LossScaleConfig().to_dict(), **saved["state"]["config"]}
+    assert written["config"] == {k: v for k, v in expected.items() if k not in FP16_FIELDS}
     # the keys added since load as a fresh run's
     assert {k: written[k] for k in set(written) - set(saved["state"])} == {
         "nonfinite_loss_steps": 0,
@@ -347,3 +350,41 @@ def test_every_loss_of_an_iteration_joins_the_probe(kind):
     ]
     counters = scaler.state.host_values()
     assert counters["skipped_steps"] == 3 and counters["nonfinite_loss_steps"] == 3
+
+
+def test_the_model_fp16_handling_neither_travels_in_the_checkpoint_nor_warns_on_resume(recwarn):
+    """A checkpoint carries the scaler's config, not `FP16_FIELDS`; resuming with other FP16 settings
+    says nothing, and a checkpoint written before the split (its config holding those fields, with
+    other values) loads silently too; a rule field that differs is still named. Bug caught: a resume
+    that changes master_weights or fp32_modules warning "different config" on every start."""
+    from hf_lossscale.core.config import FP16_FIELDS
+
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = DynamicLossScaler(master_weights=True, fp32_modules="auto", fp16_on_cpu="native")
+    scaler_step(scaler, model, opt)
+    state = scaler.state_dict()
+    assert not set(FP16_FIELDS) & set(state["config"])
+    old = {**state, "config": {**state["config"], **LossScaleConfig(master_weights=True, fp32_modules="x",
+                                                                     max_auto_fp32_modules=2).fp16.to_dict()}}  # fmt: skip
+    for saved in (state, old):
+        resumed = DynamicLossScaler(master_weights=False, fp32_modules=(), max_auto_fp32_modules=5)
+        resumed.load_state_dict(saved)
+        assert resumed.stats() == scaler.stats() and resumed.config.master_weights is False
+    assert [str(w.message) for w in recwarn] == []
+    with pytest.warns(UserWarning, match=r"different config.*\['hysteresis'\]"):
+        DynamicLossScaler(hysteresis=3).load_state_dict(old)
+
+
+def test_counts_read_the_scalers_counters():
+    """`counts()` gives the counters `stats()` gives, plus the applied steps, on the host before the
+    first step too. Bug caught: a count kept apart from the scaler's counters drifting from them."""
+    model = torch.nn.Linear(4, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = DynamicLossScaler(init_scale=2.0**8)
+    assert scaler.counts() == (0, 0, 0, 0, 0)
+    for grad_inf in (False, True, True, False):
+        scaler_step(scaler, model, opt, grad_inf=grad_inf)
+    counts, stats = scaler.counts(), scaler.stats()
+    assert counts._asdict() == {k: stats[k] for k in counts._fields}
+    assert (counts.total_steps, counts.skipped_steps, counts.applied_steps) == (4, 2, 2)

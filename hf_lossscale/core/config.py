@@ -1,4 +1,10 @@
-"""`LossScaleConfig`: the one configuration object of hf_lossscale.
+"""`LossScaleConfig`: the configuration of hf_lossscale, and `FP16Config`, its part about the model.
+
+`LossScaleConfig` holds every setting a user gives (one object, one flag and one environment
+variable per field). Two concerns meet in it: the scaler's update rule and collapse policy, which
+the scaler's checkpoint carries (`LossScaleConfig.scaler_dict()`), and how the model runs in FP16
+around it (`FP16_FIELDS`: CPU emulation, FP32 modules, master weights), which `config.fp16` gives
+as an `FP16Config` of its own and which no scaler checkpoint carries.
 
 This module imports neither torch nor transformers, so configs can be built, validated and
 serialised anywhere (a launcher, a CLI, a config check in CI).
@@ -17,6 +23,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "FP16_FIELDS",
+    "FP16Config",
     "LossScaleConfig",
     "MODES",
     "FP16_ON_CPU",
@@ -35,6 +43,8 @@ AT_MIN_SCALE = ("raise", "warn", "clamp")
 MASTER_WEIGHT_MODES = ("auto", "kahan", "stochastic_rounding")
 #: The `fp32_modules` entry that lets a diagnosed forward overflow add its origin module.
 AUTO = "auto"
+#: The `LossScaleConfig` fields about the model's FP16 handling (`FP16Config`), not the scaler's rule.
+FP16_FIELDS = ("fp16_on_cpu", "fp32_modules", "max_auto_fp32_modules", "master_weights")
 
 
 def _q(value: Any, limit: int = 120) -> str:
@@ -300,30 +310,15 @@ class LossScaleConfig:
             raise ValueError(
                 f"LossScaleConfig.telemetry_interval={_q(ti)} must be an integer >= 0 (0 disables)."
             )
-        if not isinstance(self.fp16_on_cpu, str) or self.fp16_on_cpu not in FP16_ON_CPU:
-            raise ValueError(
-                f"LossScaleConfig.fp16_on_cpu={_q(self.fp16_on_cpu)} is not one of {FP16_ON_CPU}."
-            )
+        _check_fp16_on_cpu(self.fp16_on_cpu, "LossScaleConfig")
         if not isinstance(self.backoff_on_nonfinite_loss, bool):
             raise ValueError(
                 f"LossScaleConfig.backoff_on_nonfinite_loss={_q(self.backoff_on_nonfinite_loss)} "
                 "must be True or False."
             )
         self.fp32_modules = _module_patterns(self.fp32_modules)
-        ma = self.max_auto_fp32_modules
-        if not _is_int(ma) or not (1 <= ma <= INT64_MAX):
-            raise ValueError(f"LossScaleConfig.max_auto_fp32_modules={_q(ma)} must be an integer >= 1.")
-        mw = self.master_weights
-        if isinstance(mw, str) and mw.strip().lower() in ("true", "on", "1", "yes"):
-            self.master_weights = True
-        elif isinstance(mw, str) and mw.strip().lower() in ("false", "off", "0", "no"):
-            self.master_weights = False
-        elif isinstance(mw, str) and mw.strip().lower() in MASTER_WEIGHT_MODES:
-            self.master_weights = mw.strip().lower()
-        elif not isinstance(mw, bool):
-            raise ValueError(
-                f"LossScaleConfig.master_weights={_q(mw)} must be True, False or one of {MASTER_WEIGHT_MODES}."
-            )
+        _check_max_auto_fp32_modules(self.max_auto_fp32_modules, "LossScaleConfig")
+        self.master_weights = _master_weights(self.master_weights, "LossScaleConfig")
         if not isinstance(self.at_min_scale, str) or self.at_min_scale not in AT_MIN_SCALE:
             raise ValueError(
                 f"LossScaleConfig.at_min_scale={_q(self.at_min_scale)} is not one of {AT_MIN_SCALE}."
@@ -350,6 +345,19 @@ class LossScaleConfig:
         out = dataclasses.asdict(self)
         out["fp32_modules"] = list(self.fp32_modules)
         return out
+
+    def scaler_dict(self) -> dict[str, Any]:
+        """The scaler's own fields (the update rule, the collapse policy, what it observes) as plain
+        values: what a scaler checkpoint carries and compares on resume. The model's FP16 handling
+        (`FP16_FIELDS`, see `fp16`) is left out: a run may change it without touching the scaler."""
+        return {k: v for k, v in self.to_dict().items() if k not in FP16_FIELDS}
+
+    @property
+    def fp16(self) -> FP16Config:
+        """The model's FP16 handling (`fp16_on_cpu`, `fp32_modules`, `max_auto_fp32_modules`,
+        `master_weights`) as an `FP16Config`: a frozen view, made from these fields when read (set
+        them here, or with `replace(**fp16.to_dict())`)."""
+        return FP16Config(**{name: getattr(self, name) for name in FP16_FIELDS})
 
     @property
     def auto_fp32(self) -> bool:
@@ -402,58 +410,6 @@ class LossScaleConfig:
         else:
             path.write_text(json.dumps(self.to_dict(), indent=2) + "\n")
 
-    def to_deepspeed_config(self) -> dict[str, Any]:
-        """The DeepSpeed `fp16` section that comes closest to this config (DeepSpeed owns its scaler).
-
-        Dynamic mode maps to `loss_scale: 0`, `initial_scale_power`, `loss_scale_window`
-        (growth_interval), `hysteresis`, `consecutive_hysteresis`, `min_loss_scale`; static mode to
-        `loss_scale: init_scale`; off to `enabled: false`. A `UserWarning` names each setting
-        DeepSpeed cannot express and the rule differences.
-
-        Example:
-
-        ```python
-        >>> LossScaleConfig(init_scale=2.0**12, hysteresis=2).to_deepspeed_config()["initial_scale_power"]  # doctest: +SKIP
-        12
-        ```
-        """
-        import warnings
-
-        if self.mode == "off":
-            return {"enabled": False}
-        if self.mode == "static":
-            return {"enabled": True, "loss_scale": self.init_scale}
-        power = math.log2(self.init_scale)
-        problems = []
-        if not power.is_integer():
-            problems.append(
-                f"init_scale={self.init_scale:g} is not a power of two (rounded to 2^{round(power)})"
-            )
-        if self.growth_factor != 2.0:
-            problems.append(f"growth_factor={self.growth_factor:g} (DeepSpeed always multiplies by 2)")
-        if self.backoff_factor != 0.5:
-            problems.append(f"backoff_factor={self.backoff_factor:g} (DeepSpeed always divides by 2)")
-        problems.append(f"max_scale={self.max_scale:g} (DeepSpeed has no ceiling)")
-        if self.max_consecutive_skips is not None:
-            problems.append(f"max_consecutive_skips={self.max_consecutive_skips} (no equivalent)")
-        problems.append(
-            "rule difference: DeepSpeed grows when (step - last overflow step) is a multiple of "
-            "loss_scale_window, counting its window since the last overflow"
-        )
-        warnings.warn(
-            "LossScaleConfig.to_deepspeed_config: not expressible in DeepSpeed: " + "; ".join(problems) + ".",
-            stacklevel=2,
-        )
-        return {
-            "enabled": True,
-            "loss_scale": 0,
-            "initial_scale_power": int(round(power)),
-            "loss_scale_window": self.growth_interval,
-            "hysteresis": self.hysteresis,
-            "consecutive_hysteresis": self.consecutive_hysteresis,
-            "min_loss_scale": self.min_scale,
-        }
-
     def replace(self, **changes: Any) -> LossScaleConfig:
         """A validated copy with some fields changed."""
         unknown = sorted(set(changes) - set(self.field_names()))
@@ -462,19 +418,100 @@ class LossScaleConfig:
         return dataclasses.replace(self, **changes)
 
 
-def _module_patterns(value: Any) -> tuple[str, ...]:
+def _module_patterns(value: Any, owner: str = "LossScaleConfig") -> tuple[str, ...]:
     """`fp32_modules` as a tuple of non-empty names: a string is split at commas."""
     items = value.split(",") if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)) or not all(isinstance(v, str) for v in items):
         raise ValueError(
-            f"LossScaleConfig.fp32_modules={_q(value)} must be module-name patterns: a list of strings, "
+            f"{owner}.fp32_modules={_q(value)} must be module-name patterns: a list of strings, "
             "or one string of comma-separated names ('auto' for diagnosed forward-overflow origins)."
         )
     out = tuple(dict.fromkeys(v.strip() for v in items if v.strip()))
     bad = [v for v in out if any(c.isspace() for c in v)]
     if bad:
-        raise ValueError(f"LossScaleConfig.fp32_modules: {bad} hold spaces; module names have none.")
+        raise ValueError(f"{owner}.fp32_modules: {bad} hold spaces; module names have none.")
     return out
+
+
+def _check_fp16_on_cpu(value: Any, owner: str) -> None:
+    if not isinstance(value, str) or value not in FP16_ON_CPU:
+        raise ValueError(f"{owner}.fp16_on_cpu={_q(value)} is not one of {FP16_ON_CPU}.")
+
+
+def _check_max_auto_fp32_modules(value: Any, owner: str) -> None:
+    if not _is_int(value) or not (1 <= value <= INT64_MAX):
+        raise ValueError(f"{owner}.max_auto_fp32_modules={_q(value)} must be an integer >= 1.")
+
+
+def _master_weights(value: Any, owner: str) -> bool | str:
+    """`master_weights` normalised: True, False, or one of `MASTER_WEIGHT_MODES` (strings read as
+    booleans where they spell one, case and spaces ignored)."""
+    text = value.strip().lower() if isinstance(value, str) else None
+    if text in ("true", "on", "1", "yes"):
+        return True
+    if text in ("false", "off", "0", "no"):
+        return False
+    if text in MASTER_WEIGHT_MODES:
+        return text
+    if _is_bool(value):
+        return bool(value)
+    if not isinstance(value, bool):
+        raise ValueError(
+            f"{owner}.master_weights={_q(value)} must be True, False or one of {MASTER_WEIGHT_MODES}."
+        )
+    return value
+
+
+@dataclass(frozen=True)
+class FP16Config:
+    """How the model runs in FP16 around the scaler: the part of `LossScaleConfig` that is not the
+    scaler's rule (`config.fp16`; the fields, their defaults and their checks are the same). The
+    scaler's checkpoint does not carry it, so a resumed run may change it freely.
+
+    Args:
+        fp16_on_cpu (`str`, *optional*, defaults to `"emulate"`): see `LossScaleConfig.fp16_on_cpu`.
+        fp32_modules (`tuple[str, ...]`, *optional*, defaults to `()`): see `LossScaleConfig.fp32_modules`.
+        max_auto_fp32_modules (`int`, *optional*, defaults to `8`): see
+            `LossScaleConfig.max_auto_fp32_modules`.
+        master_weights (`bool` or `str`, *optional*, defaults to `"auto"`): see
+            `LossScaleConfig.master_weights`.
+
+    Example:
+
+    ```python
+    >>> from hf_lossscale import LossScaleConfig
+    >>> LossScaleConfig(master_weights="kahan", fp32_modules="lm_head").fp16
+    FP16Config(fp16_on_cpu='emulate', fp32_modules=('lm_head',), max_auto_fp32_modules=8, master_weights='kahan')
+    ```
+    """
+
+    fp16_on_cpu: str = "emulate"
+    fp32_modules: tuple[str, ...] = ()
+    max_auto_fp32_modules: int = 8
+    master_weights: bool | str = "auto"
+
+    def __post_init__(self) -> None:
+        """Check every field as `LossScaleConfig` does; errors name `FP16Config.<field>`."""
+        _check_fp16_on_cpu(self.fp16_on_cpu, "FP16Config")
+        object.__setattr__(self, "fp32_modules", _module_patterns(self.fp32_modules, "FP16Config"))
+        ma = self.max_auto_fp32_modules
+        _check_max_auto_fp32_modules(ma, "FP16Config")
+        object.__setattr__(self, "max_auto_fp32_modules", int(ma))
+        object.__setattr__(self, "master_weights", _master_weights(self.master_weights, "FP16Config"))
+
+    def to_dict(self) -> dict[str, Any]:
+        """The fields as plain values (`fp32_modules` as a list), as `LossScaleConfig.to_dict` gives them."""
+        return {**dataclasses.asdict(self), "fp32_modules": list(self.fp32_modules)}
+
+    @property
+    def auto_fp32(self) -> bool:
+        """Whether `fp32_modules` holds `"auto"`."""
+        return AUTO in self.fp32_modules
+
+    @property
+    def fp32_patterns(self) -> tuple[str, ...]:
+        """The `fp32_modules` patterns, without `"auto"`."""
+        return tuple(p for p in self.fp32_modules if p != AUTO)
 
 
 #: A config file is a few hundred bytes: more than this is something else (`/dev/zero`, a data file).

@@ -4,6 +4,12 @@ Imports only torch. The state (scale, growth and hysteresis trackers, step count
 0-d tensors on the gradients' device, and `scale()`, `unscale_()` and `update()` never read it
 back to the host. `step()` costs no host synchronisation with optimizers that take
 `grad_scale`/`found_inf` (torch's fused Adam/AdamW/SGD) and one otherwise, as torch's does.
+
+The scaler is the protocol (`scale`, `unscale_`, `step`, `update`, state) and composes its parts,
+each a unit of its own: the state and its checkpoint format (`scaler_state.ScalerState`), the update
+rule (`update_rule`: functions of the config, the state and the iteration's flags, and the
+`StepOutcome` they leave in `last_step`), the iteration's flags buffer and loss probe
+(`step_flags.StepFlags`), the one read of the gradients (`grad_pass`), and the observers.
 """
 
 from __future__ import annotations
@@ -18,9 +24,12 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import OptState  # torch's stages: third-party code compares against them
 
+from . import grad_pass
+from . import update_rule as rule
 from .clip import total_norm
-from .config import SCALE_MAX, SCALE_MIN, LossScaleConfig
+from .config import LossScaleConfig
 from .master_weights import MasterWeights
+from .scaler_args import scaler_arguments
 from .scaler_observers import (
     LossScaleCollapseError,
     ParameterNames,
@@ -28,11 +37,10 @@ from .scaler_observers import (
     SkipWatch,
     default_observers,
 )
-from .scaler_state import STATE_FORMAT, STATE_FORMAT_VERSION, ScalerState
+from .scaler_state import STATE_FORMAT, STATE_FORMAT_VERSION, ScalerState, StepCounts
 from .step_flags import StepFlags
 from .telemetry import FP16_MAX, GradientTelemetry
-from .torch_surface import TorchGradScalerSurface, fused_sgd_first_step, mul_grads_, takes_grad_scaler
-from .update_rule import RuleConstants, UpdateRule, world_size
+from .update_rule import RuleConstants, StepOutcome
 
 __all__ = ["DynamicLossScaler", "LossScaleCollapseError", "OptState", "STATE_FORMAT", "STATE_FORMAT_VERSION"]
 
@@ -52,9 +60,9 @@ def _tracing_or_capturing() -> bool:
 # Why a subclass of torch's GradScaler: code that takes "a GradScaler" checks it with isinstance
 # (torch's optimizers that take `grad_scaler=`, type-checked training loops), and a drop-in must pass.
 # Nothing of torch's implementation runs: __init__ is not called and every method torch's class
-# defines is overridden, here or in the mixins (update_rule, step_flags, torch_surface);
+# defines is overridden here (its private ones in the block at the end of the class);
 # tests/test_torch_gradscaler_contract.py holds that to the list.
-class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp.GradScaler):
+class DynamicLossScaler(torch.amp.GradScaler):
     """Loss scaler with a floor, a ceiling, hysteresis, static and off modes, and skip counters.
 
     It keeps `torch.amp.GradScaler`'s methods and call order (`scale`, `unscale_`, `step`,
@@ -119,53 +127,18 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
         device: str | torch.device | None = None,
         **overrides: Any,
     ) -> None:
-        if isinstance(config, (str, torch.device)):  # torch's signature: GradScaler(device, init_scale, ...)
-            if device is not None:
-                raise TypeError(f"DynamicLossScaler got the device twice: {config!r} and device={device!r}.")
-            config, device = None, config
-        torch_args = {
-            name: value
-            for name, value in (
-                ("init_scale", init_scale),
-                ("growth_factor", growth_factor),
-                ("backoff_factor", backoff_factor),
-                ("growth_interval", growth_interval),
-            )
-            if value is not None
-        }
-        twice = sorted(set(torch_args) & set(overrides))
-        if twice:
-            raise TypeError(f"DynamicLossScaler got {twice} twice.")
-        overrides = {**torch_args, **overrides}
-        if config is None:
-            config = LossScaleConfig(**_torch_ceiling(_check_overrides(overrides)))
-        elif not isinstance(config, LossScaleConfig):
-            raise TypeError(f"config must be a LossScaleConfig, got {type(config).__name__}.")
-        elif overrides:
-            config = config.replace(**_check_overrides(overrides))
-        if not enabled:
-            config = config.replace(mode="off")
-        self.config = config
-        if device is not None and enabled:
-            device = _check_device(device)
-        self._device = torch.device(device) if device is not None else None
+        torch_args = (init_scale, growth_factor, backoff_factor, growth_interval)
+        self.config, self._device = scaler_arguments(config, torch_args, enabled, device, overrides)
         #: The scale, trackers and counters: host values until the first `scale()`, then device tensors.
-        self.state = ScalerState(config)
+        self.state = ScalerState(self.config)
         self._per_optimizer_states: dict[int, dict[str, Any]] = defaultdict(_fresh_optimizer_state)
-        self._host_skipped: bool | None = None  # the last step's skip, where the host already knows it
         self._iteration = 0  # host-side count of update() calls: decides telemetry without a sync
         self._found_inf_group: Any = None  # set by sync_found_inf_across() for local-shard paths
-        # 0-d device tensor: the sum of `loss * 0` over the losses scale() saw since the last update():
-        # 0 when all were finite, NaN otherwise (inf * 0 is NaN); None when none was seen. The overflow
-        # check reads it together with the gradients, in the same kernel call.
-        self._loss_probe: torch.Tensor | None = None
         self._rule_constants: dict[torch.device, RuleConstants] = {}  # see _constants
-        self._flags: dict[torch.device, tuple[torch.Tensor, ...]] = {}  # see _flag_views
-        self._found_taken = False  # whether this iteration's check used the flags buffer (_new_found)
-        #: Device flags of the last update: its loss was non-finite / it backed the scale off.
-        self.last_loss_nonfinite: torch.Tensor | None = None
-        # the last update's backoff: a bool flag, or (fast rule) its float overflow flag, compared on request
-        self._backed_off: torch.Tensor | None = None
+        #: The iteration's loss probe and found-inf flag, side by side on the device (`StepFlags`).
+        self.flags = StepFlags()
+        #: What the last `update()` decided: skipped, backed off, loss non-finite (`StepOutcome`).
+        self.last_step = StepOutcome(self.state)
         #: The latest overflow diagnosis (`hf_lossscale.core.overflow`): {"kind", "origin", "step", ...}.
         #: The collapse error leads with it. Set by whoever diagnoses (the Trainer's callback).
         self.overflow_origin: dict[str, Any] | None = None
@@ -175,9 +148,9 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
         self.parameter_names = ParameterNames()
         #: FP32 master weights of the optimizers' trainable FP16 parameters (`config.master_weights`);
         #: each optimizer owns its own (`hf_lossscale.core.master_weights`).
-        self.master_weights = MasterWeights(self.parameter_names.given)
+        self.master_weights = MasterWeights(self.parameter_names.given, self.config.master_weights)
         #: Exponent histograms of the scaled gradients every `config.telemetry_interval` iterations.
-        self.telemetry = GradientTelemetry(config.telemetry_interval)
+        self.telemetry = GradientTelemetry(self.config.telemetry_interval)
         self._deferred_updates = 0  # updates made under torch.compile whose observers are not yet told
         #: The overflow names and the collapse check: built in, always told first, not in `observers`
         #: (so emptying that list cannot switch the collapse check off: `max_consecutive_skips=0`
@@ -213,7 +186,7 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
 
     def set_growth_interval(self, new_interval: int) -> None:
         self.config = self.config.replace(growth_interval=new_interval)
-        self._clamp_growth_tracker()
+        rule.clamp_growth_tracker(self.config, self.state)
 
     def set_parameter_names(self, named: torch.nn.Module | Iterable[tuple[str, torch.Tensor]]) -> None:
         """Name parameters (a module or `named_parameters()` pairs) for overflow and error reports."""
@@ -246,6 +219,14 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
     def iteration(self) -> int:
         """How many times `update()` has run (restored from `total_steps` on load). Host-side."""
         return self._iteration
+
+    def _constants(self, device: torch.device) -> RuleConstants:
+        """The device constants of the rule and the flags on `device`, made once (at the first step
+        that needs one)."""
+        found = self._rule_constants.get(device)
+        if found is None:
+            found = self._rule_constants[device] = RuleConstants.on(device)
+        return found
 
     def _require_init(self, funcname: str) -> None:
         if not self.state.materialised:
@@ -289,7 +270,7 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
                 # whose backward then poisons exactly the gradients it produces (a zero_grad() clears it
                 # with them; the step that keeps them is skipped). One op; the probe is read off it.
                 factor = torch.addcmul(scale, val.detach(), self._constants(val.device).zero)
-                self._note_loss(factor)
+                self.flags.note_loss(factor, self._scale.device)
                 return val * factor
             if isinstance(val, (list, tuple)):
                 return type(val)(apply(v) for v in val)
@@ -298,16 +279,6 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
             raise ValueError("scale() takes a Tensor or an iterable of Tensors.")
 
         return apply(outputs)
-
-    @property
-    def last_backed_off(self) -> torch.Tensor | None:
-        """A 0-d bool device flag: did the last update decide to back the scale off (an overflow
-        counted against it, the hysteresis budget spent)? No sync. At the floor the clamp can leave
-        the value where it was: whether it moved is `get_scale()` against the scale the step ran at
-        (telling the two apart here would cost one more device op in every update)."""
-        if self._backed_off is not None and self._backed_off.dtype != torch.bool:
-            self._backed_off = self._backed_off > 0  # one op, only when someone asks
-        return self._backed_off
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """Divide the optimizer's gradients by the scale, in place, and check them for inf/NaN.
@@ -328,10 +299,59 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
         # one op: FP32's reciprocal is correctly rounded, so it equals torch's `.double().reciprocal()
         # .float()` bitwise (rounding a correctly rounded FP64 quotient to FP32 is innocuous)
         inv_scale = torch.reciprocal(self._scale)
-        state["found_inf_per_device"] = self._unscale_grads_(optimizer, inv_scale)
+        state["found_inf_per_device"] = self._read_grads(optimizer, inv_scale)
         state["stage"] = OptState.UNSCALED
         if self.config.at_min_scale == "clamp":
             self._clamp_at_floor(optimizer, state)
+
+    def _read_grads(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor | None = None,
+        allow_fp16: bool = False,
+    ) -> dict[torch.device, torch.Tensor]:
+        """The one read of the gradients (`grad_pass`): unscale in place and fill one found-inf flag per
+        device (no host sync), the masters gathered and the observers told first.
+
+        With torch's arguments (`found_inf`, `allow_fp16`, as `GradScaler._unscale_grads_` takes them,
+        for code that calls it) the flags accumulate into `found_inf` (a copy of it on other devices)
+        without this iteration's loss flag, and `allow_fp16=True` unscales gradients of FP16
+        parameters too; by default FP16 parameters are refused with an explanation.
+        """
+
+        def flag_for(device: torch.device) -> torch.Tensor:
+            if found_inf is None:
+                return self.flags.new_found(device, self._scale.device)
+            return found_inf if found_inf.device == device else found_inf.to(device, non_blocking=True)
+
+        # a non-finite loss poisoned its own gradients (see `scale`): the check sees it through them
+        if not allow_fp16:
+            self._gather_masters(optimizer)  # the observers see the gradients the optimizer steps on
+        for observer in self._watchers():
+            observer.before_unscale(self, optimizer)
+        with torch.no_grad():
+            grouped = grad_pass.group_grads(optimizer, self.parameter_names.name, allow_fp16)
+        found = grad_pass.unscale_and_check_(grouped, inv_scale, flag_for)
+        if not found:  # no gradients and no loss: a clean flag on the scale's device
+            home = self._scale.device if self._scale is not None else inv_scale.device
+            found[home] = flag_for(home)
+        if self._found_inf_group is not None:
+            found = grad_pass.max_over_ranks(found, self._scale.device, self._found_inf_group)
+        return found
+
+    def _gather_masters(self, optimizer: torch.optim.Optimizer) -> None:
+        """With `config.master_weights`: FP32 masters for the optimizer's trainable FP16 parameters (at
+        its first step), and this iteration's FP16 gradients read into them (nothing when none)."""
+        if self.config.master_weights is not False:
+            self.master_weights.prepare(optimizer)
+
+    def _check(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+        """Check for inf/NaN without unscaling (fused optimizers unscale inside their kernel)."""
+        self._require_init("step")
+        found = self._read_grads(optimizer, self._constants(self._scale.device).one)
+        self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
+        return found
 
     def _found_inf(self, optimizer: torch.optim.Optimizer) -> torch.Tensor:
         flags = list(self._per_optimizer_states[id(optimizer)]["found_inf_per_device"].values())
@@ -373,7 +393,7 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
             return self._step_clamping(optimizer, state, args, kwargs)
 
         if getattr(optimizer, "_step_supports_amp_scaling", False):
-            if takes_grad_scaler(optimizer.step):
+            if grad_pass.takes_grad_scaler(optimizer.step):
                 # torch's older contract, which it still honours: the optimizer gets the scaler and
                 # does the rest itself (checks, unscaling, skipping)
                 warnings.warn(
@@ -388,7 +408,7 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
                 state["stage"] = OptState.STEPPED
                 return retval
             if state["stage"] is OptState.READY:
-                self._check_inf_per_device(optimizer)
+                self._check(optimizer)
                 extra = getattr(optimizer, "grad_scale", None)  # an optimizer's own divisor, kept
                 grad_scale = self._scale if extra is None else self._scale * extra
             elif "grad_scale" in state:  # clip_grad_norm_ left unscale and clip to the kernel
@@ -396,7 +416,7 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
             else:  # already unscaled: the kernel must not divide again
                 grad_scale = getattr(optimizer, "grad_scale", None)
             found_inf = self._found_inf(optimizer)
-            if fused_sgd_first_step(optimizer) and found_inf.item():
+            if grad_pass.fused_sgd_first_step(optimizer) and found_inf.item():
                 # torch's fused SGD skips a first step with its momentum buffers left uninitialised
                 # (empty_like), and the next step uses them: skip here instead. One host read per
                 # step, only until the buffers exist.
@@ -446,7 +466,7 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
         scale (the largest FP16 gradient). Never when the loss itself was non-finite (its gradients
         are all NaN: there is nothing to keep). One host read per step (flag, scale, streak, loss)."""
         found = self._found_inf(optimizer)
-        probe = self._loss_probe if self._loss_probe is not None else torch.zeros((), device=found.device)
+        probe = self.flags.probe if self.flags.probe is not None else torch.zeros((), device=found.device)
         read = torch.stack([
             found.double(), self._scale.to(found.device).double(),
             self.state["consecutive_skips"].to(found.device).double(), probe.to(found.device).double(),
@@ -455,13 +475,7 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
         skipped = found_v > 0
         threshold = self.config.max_consecutive_skips or 0
         if skipped and probe_v == 0 and scale_v <= self.config.min_scale and streak >= threshold:
-            limit = FP16_MAX / scale_v
-            with torch.no_grad():
-                for group in optimizer.param_groups:
-                    for param in group["params"]:
-                        if param.grad is not None:
-                            values = param.grad._values() if param.grad.is_sparse else param.grad
-                            torch.nan_to_num_(values, nan=0.0, posinf=limit, neginf=-limit)
+            grad_pass.clamp_nonfinite_(optimizer, FP16_MAX / scale_v)
             state["found_inf_per_device"] = {
                 device: torch.zeros_like(flag) for device, flag in state["found_inf_per_device"].items()
             }
@@ -535,7 +549,7 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
                 self._apply_deferred_unscale(optimizer, state)
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
 
-        grouped = self._grads_by_device_and_dtype(optimizer)  # refuses FP16 parameters
+        grouped = grad_pass.group_grads(optimizer, self.parameter_names.name)  # refuses FP16 parameters
         for observer in self._watchers():  # the scaled gradients, as unscale_ shows them
             observer.before_unscale(self, optimizer)
         with torch.no_grad():
@@ -545,8 +559,8 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
             norm = scaled_norm.to(device) / scale  # exact for a power-of-two scale
             # the norm is inf/NaN exactly when a gradient is (a non-finite loss poisoned its own); one
             # kernel checks it (multiplying it by 1 in place leaves its value as it is)
-            found = self._new_found(device)
-            torch._amp_foreach_non_finite_check_and_unscale_([norm], found, self._one(device))
+            found, one = self.flags.new_found(device, self._scale.device), self._constants(device).one
+            torch._amp_foreach_non_finite_check_and_unscale_([norm], found, one)
             if error_if_nonfinite and found:
                 raise RuntimeError(
                     f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "
@@ -563,7 +577,7 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
                 state["grad_scale"] = scale / coef
             else:
                 multiplier = coef / scale  # exact: a power-of-two scale divides without rounding
-                mul_grads_(grouped, torch.where(found > 0, self._one(device), multiplier), foreach)
+                grad_pass.mul_grads_(grouped, torch.where(found > 0, one, multiplier), foreach)
         if per_tensor is not None and not _tracing_or_capturing():  # kept tensors mean nothing in a graph
             for observer in self._watchers():  # a norm is non-finite exactly when its gradient is
                 observer.on_norms(self, optimizer, with_grad, per_tensor)
@@ -580,9 +594,8 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
                 # an overflowing step's gradients are unscaled, not clipped (its divisor is inf or NaN)
                 found = self._found_inf(optimizer)
                 grad_scale = torch.where(found > 0, self._scale.to(grad_scale.device), grad_scale)
-                mul_grads_(
-                    self._grads_by_device_and_dtype(optimizer), grad_scale.double().reciprocal().float(), None
-                )
+                grouped = grad_pass.group_grads(optimizer, self.parameter_names.name)
+                grad_pass.mul_grads_(grouped, grad_scale.double().reciprocal().float(), None)
 
     # ------------------------------------------------------------------ update
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
@@ -601,21 +614,21 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
                 return
             self._require_init("update")
         self._iteration += 1
-        probe, self._loss_probe = self._loss_probe, None  # the probe belongs to this iteration
-        self._found_taken = False
+        probe = self.flags.new_iteration()  # the probe belongs to this iteration
+        last, c = self.last_step, self.config
         if new_scale is not None:
-            self._set_scale(new_scale)
+            self.state.set_scale(new_scale)
             self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
-            self._host_skipped = None
+            last.skipped_if_known = None
             self._notify_update(rule_applied=False)
             return
         if not self.is_enabled():
             self.state["total_steps"].add_(1)
-            self._host_skipped = False
+            last.skipped_if_known = False
             self._notify_update(rule_applied=False)
             return
         known = [state.get("host_skipped") for state in self._per_optimizer_states.values()]
-        self._host_skipped = any(known) if known and None not in known else None
+        last.skipped_if_known = any(known) if known and None not in known else None
         flags = [
             f.to(self._scale.device, non_blocking=True)
             for state in self._per_optimizer_states.values()
@@ -627,46 +640,34 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
                 "each optimizer of the iteration before update()."
             )
         found_f = torch.stack(flags).amax() if len(flags) > 1 else flags[0]
-        distributed = world_size(self._found_inf_group) > 1
-        fast_rule = self.config.mode != "dynamic" or self._torch_rule_applies()  # else the general one
-        host_known = self._host_skipped is not None and fast_rule
-        if host_known and not distributed and self.config.at_min_scale != "clamp":
+        distributed = rule.world_size(self._found_inf_group) > 1
+        fast_rule = c.mode != "dynamic" or rule.torch_rule_applies(c)  # else the general one
+        host_known = last.skipped_if_known is not None and fast_rule
+        k = self._constants(found_f.device)
+        if host_known and not distributed and c.at_min_scale != "clamp":
             # The host read the flags (the non-fused path does). A clean step, and so a finite loss
             # (the loss probe joined every check): the rule's clean branch from constants, no flags.
             # A skipped one: the skip branch, whose only device input is whether the loss was finite.
-            self._apply_known_rule(found_f.device, self._host_skipped, probe)
+            result = rule.apply_known_rule(c, self.state, k, last.skipped_if_known, probe)
         elif probe is not None and not distributed:
             # [skipped, loss non-finite, True]: the probe is 0 or NaN, and NaN != 0. A non-finite loss
             # counts where its poisoned gradients made the step skip (zero_grad() may have dropped them):
             # two ops where the flag and the probe sit in the flags buffer (the usual case), else three
-            buffer, found_view, probe_view = self._flag_views(found_f.device)
+            buffer, found_view, probe_view = self.flags.views(found_f.device)
             if found_f is found_view and probe is probe_view:
                 bits = buffer.ne(0)
             else:
-                bits = torch.stack([found_f, probe.to(found_f.dtype), self._one(found_f.device)]).ne(0)
+                bits = torch.stack([found_f, probe.to(found_f.dtype), k.one]).ne(0)
             torch.logical_and(bits[1], bits[0], out=bits[1])
-            self._apply_rule(bits[0], bits[1], bits)
+            result = rule.apply_rule(c, self.state, k, bits[0], bits[1], bits)
         else:
             loss_bad = None if probe is None else probe.ne(0) & (found_f > 0)
             if distributed:
-                loss_bad = self._all_ranks_loss_flag(loss_bad)
-            self._apply_rule(found_f > 0, loss_bad)
+                loss_bad = rule.all_ranks_loss_flag(loss_bad, self._scale.device, self._found_inf_group)
+            result = rule.apply_rule(c, self.state, k, found_f > 0, loss_bad)
+        last.record(result)
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
         self._notify_update(rule_applied=True)
-
-    def _set_scale(self, new_scale: float | torch.Tensor) -> None:
-        if isinstance(new_scale, torch.Tensor):
-            if new_scale.numel() != 1 or new_scale.requires_grad:
-                raise ValueError("new_scale must be a float or a 1-element tensor without grad.")
-            self._scale.copy_(new_scale.reshape(()))
-        else:
-            value = float(new_scale)
-            if not (SCALE_MIN <= value <= SCALE_MAX):
-                raise ValueError(
-                    f"update(new_scale={new_scale!r}): need a number in FP32's normal range [2**-126, FP32 max], "
-                    "where the scale and its reciprocal are finite."
-                )
-            self._scale.fill_(value)
 
     # ------------------------------------------------------------------ observers
     def _watchers(self) -> list[ScalerObserver]:
@@ -720,45 +721,51 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
         """The current scale as a Python float (1.0 in `"off"` mode). Synchronises with the device."""
         if not self.is_enabled():
             return 1.0
-        return self.state.host["scale"] if self._scale is None else self._scale.item()
+        return self.state.value("scale")
+
+    # ------------------------------------------------------------------ the last step (`last_step`)
+    @property
+    def last_backed_off(self) -> torch.Tensor | None:
+        """`last_step.backed_off`: did the last update back the scale off? A 0-d bool device flag, no sync."""
+        return self.last_step.backed_off
 
     @property
     def step_skipped_tensor(self) -> torch.Tensor | None:
-        """A 0-d bool tensor on the device: was the last iteration's step skipped? No sync.
-
-        Each `update()` makes a new tensor, so a reference kept by the caller stays that step's flag.
-        """
-        return self.state["last_step_skipped"] if self.state.materialised else None
+        """`last_step.skipped_tensor`: was the last iteration's step skipped? A 0-d bool device flag, no sync."""
+        return self.last_step.skipped_tensor
 
     @property
     def last_step_skipped_if_known(self) -> bool | None:
-        """Whether the last iteration's step was skipped, when the host knows it without asking the
-        device (every optimizer of the iteration stepped on the non-fused path, which read the flag
-        in `step()`); `None` when a fused kernel decided. Never synchronises."""
-        return self._host_skipped
+        """`last_step.skipped_if_known`: the last skip where the host knows it, else `None`. No sync."""
+        return self.last_step.skipped_if_known
 
     @property
     def last_step_skipped(self) -> bool:
-        """Whether the last iteration's step was skipped. Synchronises with the device."""
-        if not self.state.materialised:
-            return self.state.host["last_step_skipped"]
-        return bool(self.state["last_step_skipped"].item())
+        """`last_step.skipped`: whether the last iteration's step was skipped. Synchronises with the device."""
+        return self.last_step.skipped
+
+    @property
+    def last_loss_nonfinite(self) -> torch.Tensor | None:
+        """`last_step.loss_nonfinite`: was a loss of the last iteration non-finite? A device flag, no sync."""
+        return self.last_step.loss_nonfinite
+
+    @property
+    def loss_finite_tensor(self) -> torch.Tensor | None:
+        """A 0-d bool device flag: were all losses `scale()` saw since the last `update()` finite?
+        None before the first `scale()` of the iteration. No sync (one device op when asked)."""
+        return self.flags.loss_finite()
 
     def stats(self) -> dict[str, Any]:
         """Scale and counters as Python numbers. Synchronises with the device: call at log steps."""
         self._catch_up()
-        v = self.state.host_values()
-        return {
-            "loss_scale": v["scale"] if self.is_enabled() else 1.0,
-            "total_steps": v["total_steps"],
-            "skipped_steps": v["skipped_steps"],
-            "consecutive_skips": v["consecutive_skips"],
-            "growth_tracker": v["_growth_tracker"],
-            "hysteresis_tracker": v["_hysteresis_tracker"],
-            "last_step_skipped": v["last_step_skipped"],
-            "nonfinite_loss_steps": v["nonfinite_loss_steps"],
-            "consecutive_nonfinite_loss": v["consecutive_nonfinite_loss"],
-        }
+        return self.state.stats(self.is_enabled())
+
+    def counts(self) -> StepCounts:
+        """The step counters (`StepCounts`: total, skipped, non-finite-loss steps, the two streaks, and
+        `applied_steps`), the one record of them: read them here rather than counting steps apart. One
+        transfer of the counters from the device (a sync): call at log steps."""
+        self._catch_up()
+        return self.state.counts()
 
     # ------------------------------------------------------------------ checkpointing
     def state_dict(self) -> dict[str, Any]:
@@ -778,7 +785,7 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
         A malformed state raises `ValueError` naming the missing or wrong keys.
         """
         self.config = self.state.load_state_dict(state_dict, self.config)
-        self._clamp_growth_tracker()
+        rule.clamp_growth_tracker(self.config, self.state)
         self._iteration = self.state.host["total_steps"]  # telemetry keeps its cadence across a resume
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
         for observer in self._watchers():
@@ -791,57 +798,92 @@ class DynamicLossScaler(TorchGradScalerSurface, StepFlags, UpdateRule, torch.amp
                 "as torch.amp.GradScaler."
             )
         state = self.__dict__.copy()
-        # Device caches made again on first use: pickled, the flags buffer's views would come back as
-        # copies of their own (an optimizer's overflow written where update() no longer reads it).
-        state["_rule_constants"], state["_flags"], state["_found_taken"] = {}, {}, False
+        state["_rule_constants"] = {}  # device constants, made again on first use (so are the flags')
         state.pop("master_weights", None)  # the masters belong to the optimizers
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
+        # a scaler pickled by an earlier version: its flags and last step were attributes of its own
+        old = {
+            k: state.pop(k, None)
+            for k in ("_loss_probe", "_host_skipped", "_backed_off", "last_loss_nonfinite")
+        }
+        for name in ("_flags", "_found_taken", "_grad_sentinel"):
+            state.pop(name, None)
         self.__dict__.update(state)
-        for name, value in (
-            ("_rule_constants", {}),
-            ("_flags", {}),
-            ("_found_taken", False),
-        ):
-            self.__dict__.setdefault(name, value)  # a scaler pickled by an earlier version
-        self.__dict__.pop("_grad_sentinel", None)
-        self.master_weights = MasterWeights(self.parameter_names.given)
+        self.__dict__.setdefault("_rule_constants", {})
+        if "flags" not in state:
+            self.flags = StepFlags()
+            self.flags.probe = old["_loss_probe"]
+            self.last_step = StepOutcome(self.state)
+            self.last_step.record(rule.RuleResult(old["last_loss_nonfinite"], old["_backed_off"]))
+            self.last_step.skipped_if_known = old["_host_skipped"]
+        self.master_weights = MasterWeights(self.parameter_names.given, self.config.master_weights)
 
     def __repr__(self) -> str:
         return f"DynamicLossScaler({self.config!r}, device={self.device})"
 
+    # ------------------------------------------------------------------ torch.amp.GradScaler's private surface
+    # The private names of torch's GradScaler that code written against it reaches (optimizers taking
+    # `grad_scaler=`, FSDP's sharded scaler, Lightning, torch's tests), each a delegation to ours;
+    # `_per_optimizer_states` is an attribute (see __init__).
+    @property
+    def _scale(self) -> torch.Tensor | None:
+        return self.state["scale"] if self.state.materialised else None
 
-def _torch_ceiling(overrides: dict[str, Any]) -> dict[str, Any]:
-    """torch's `GradScaler(init_scale=...)` has no ceiling: given an `init_scale` above the default
-    `max_scale` and no `max_scale`, the ceiling rises to it (growth then stays at that scale, as torch's
-    leaves a scale whose growth would overflow)."""
-    init = overrides.get("init_scale")
-    default = LossScaleConfig.__dataclass_fields__["max_scale"].default
-    if "max_scale" not in overrides and isinstance(init, (int, float)) and not isinstance(init, bool):
-        if math.isfinite(init) and init > default:
-            return {**overrides, "max_scale": float(init)}
-    return overrides
+    @property
+    def _growth_tracker(self) -> torch.Tensor | None:
+        return self.state["_growth_tracker"] if self.state.materialised else None
 
+    @property
+    def _enabled(self) -> bool:
+        return self.is_enabled()
 
-def _check_overrides(overrides: dict[str, Any]) -> dict[str, Any]:
-    unknown = sorted(set(overrides) - set(LossScaleConfig.field_names()))
-    if unknown:
-        raise TypeError(
-            f"DynamicLossScaler got unknown keyword(s) {unknown}; "
-            f"config fields are {list(LossScaleConfig.field_names())}."
-        )
-    return overrides
+    @property
+    def _init_growth_tracker(self) -> int:
+        """torch's name for the growth tracker a scaler starts from: here the current one (a sync)."""
+        return self._get_growth_tracker()
 
+    @_init_growth_tracker.setter
+    def _init_growth_tracker(self, value: int) -> None:
+        self.state.set("_growth_tracker", int(value))
+        rule.clamp_growth_tracker(self.config, self.state)
 
-def _check_device(device: str | torch.device) -> torch.device:
-    device = torch.device(device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(
-            f"DynamicLossScaler(device={str(device)!r}) but CUDA is not available on this machine; "
-            "pass device='cpu' or device=None (the device of the loss)."
-        )
-    return device
+    def _lazy_init_scale_growth_tracker(self, dev: torch.device | str) -> None:
+        if not self.state.materialised:
+            self.state.materialise(torch.device(dev))
+
+    def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
+        self._require_init(funcname)
+        return self._scale, self.state["_growth_tracker"]
+
+    def _unscale_grads_(
+        self,
+        optimizer: torch.optim.Optimizer,
+        inv_scale: torch.Tensor,
+        found_inf: torch.Tensor | None = None,
+        allow_fp16: bool | None = None,
+    ) -> dict[torch.device, torch.Tensor]:
+        return self._read_grads(optimizer, inv_scale, found_inf, bool(allow_fp16))
+
+    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+        return self._check(optimizer)
+
+    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
+        return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
+
+    def _maybe_opt_step(
+        self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any
+    ) -> Any:
+        """torch's helper: step unless a found-inf flag is set (reads the flags: one host sync)."""
+        skip = sum(v.item() for v in optimizer_state["found_inf_per_device"].values())
+        return None if skip else optimizer.step(*args, **kwargs)
+
+    def _get_scale_async(self) -> torch.Tensor | None:
+        return self._scale
+
+    def _get_growth_tracker(self) -> int:
+        return self.state.value("_growth_tracker")
 
 
 def _first_tensor_nested(value: Any) -> torch.Tensor | None:

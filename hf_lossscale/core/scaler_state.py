@@ -1,6 +1,6 @@
 """`ScalerState`: a loss scaler's state as 0-d device tensors, its checkpoint format, and its checks.
 
-The seven values are spelled once, in `FIELDS`; creating them on a device, reading them back in one
+The nine values are spelled once, in `FIELDS`; creating them on a device, reading them back in one
 transfer, writing and loading a checkpoint, and resetting all go through that table. Imports only
 torch.
 """
@@ -8,13 +8,20 @@ torch.
 from __future__ import annotations
 
 import warnings
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
-from .config import INT32_MAX, INT64_MAX, SCALE_MAX, SCALE_MIN, LossScaleConfig
+from .config import FP16_FIELDS, INT32_MAX, INT64_MAX, SCALE_MAX, SCALE_MIN, LossScaleConfig
 
-__all__ = ["FIELDS", "STATE_FORMAT", "STATE_FORMAT_VERSION", "ScalerState", "validate_state_dict"]
+__all__ = [
+    "FIELDS",
+    "STATE_FORMAT",
+    "STATE_FORMAT_VERSION",
+    "ScalerState",
+    "StepCounts",
+    "validate_state_dict",
+]
 
 STATE_FORMAT = "hf_lossscale.DynamicLossScaler"
 STATE_FORMAT_VERSION = 1
@@ -53,6 +60,22 @@ PACKED = (
 #: Keys a state written before they existed lacks: they load as 0.
 _ADDED_LATER = ("nonfinite_loss_steps", "consecutive_nonfinite_loss")
 _CONFIG_KEYS = ("growth_factor", "backoff_factor", "growth_interval")  # GradScaler writes these too
+
+
+class StepCounts(NamedTuple):
+    """The scaler's step counters, read together (`DynamicLossScaler.counts()`): optimizer steps
+    (`update()` calls), those skipped, those skipped on a non-finite loss, and the two streaks."""
+
+    total_steps: int
+    skipped_steps: int
+    nonfinite_loss_steps: int
+    consecutive_skips: int
+    consecutive_nonfinite_loss: int
+
+    @property
+    def applied_steps(self) -> int:
+        """Steps the optimizers applied: `total_steps - skipped_steps`."""
+        return self.total_steps - self.skipped_steps
 
 
 def _python(key: str, value: float) -> Any:
@@ -122,6 +145,55 @@ class ScalerState:
     def replace(self, key: str, tensor: torch.Tensor) -> None:
         self.tensors[key] = tensor
 
+    def value(self, key: str) -> Any:
+        """One value as a Python number (reads the device once materialised: a sync)."""
+        return self.host[key] if self.tensors is None else _python(key, self.tensors[key].item())
+
+    def set(self, key: str, value: Any) -> None:
+        """Write one value, on the device once materialised (in place: views stay valid)."""
+        if self.tensors is None:
+            self.host[key] = _python(key, value)
+        else:
+            self.tensors[key].fill_(value)
+
+    def set_scale(self, new_scale: float | torch.Tensor) -> None:
+        """Set the scale by hand (`update(new_scale)`): a float in FP32's normal range, or a 1-element
+        tensor without grad."""
+        if isinstance(new_scale, torch.Tensor):
+            if new_scale.numel() != 1 or new_scale.requires_grad:
+                raise ValueError("new_scale must be a float or a 1-element tensor without grad.")
+            self.tensors["scale"].copy_(new_scale.reshape(()))
+        else:
+            value = float(new_scale)
+            if not (SCALE_MIN <= value <= SCALE_MAX):
+                raise ValueError(
+                    f"update(new_scale={new_scale!r}): need a number in FP32's normal range [2**-126, FP32 max], "
+                    "where the scale and its reciprocal are finite."
+                )
+            self.tensors["scale"].fill_(value)
+
+    def stats(self, enabled: bool = True) -> dict[str, Any]:
+        """The scale and counters under their public names (`DynamicLossScaler.stats()`), in one
+        transfer; the scale reads 1.0 when scaling is off (`enabled=False`)."""
+        v = self.host_values()
+        return {
+            "loss_scale": v["scale"] if enabled else 1.0,
+            "total_steps": v["total_steps"],
+            "skipped_steps": v["skipped_steps"],
+            "consecutive_skips": v["consecutive_skips"],
+            "growth_tracker": v["_growth_tracker"],
+            "hysteresis_tracker": v["_hysteresis_tracker"],
+            "last_step_skipped": v["last_step_skipped"],
+            "nonfinite_loss_steps": v["nonfinite_loss_steps"],
+            "consecutive_nonfinite_loss": v["consecutive_nonfinite_loss"],
+        }
+
+    def counts(self) -> StepCounts:
+        """The step counters, in one device-to-host transfer of `counters` (none before `materialise`)."""
+        if self.counters is None:
+            return StepCounts(**{k: self.host[k] for k in StepCounts._fields})
+        return StepCounts(**{k: int(v) for k, v in zip(PACKED, self.counters.tolist(), strict=True)})
+
     def reset(self, config: LossScaleConfig) -> None:
         """Back to a fresh state for `config`, on the same device if there is one."""
         self.host = self.initial(config)
@@ -138,13 +210,14 @@ class ScalerState:
 
     # ------------------------------------------------------------------ checkpoint format
     def state_dict(self, config: LossScaleConfig) -> dict[str, Any]:
-        """A superset of `torch.amp.GradScaler.state_dict()`: the values, the config and the format."""
+        """A superset of `torch.amp.GradScaler.state_dict()`: the values, the scaler's config
+        (`LossScaleConfig.scaler_dict()`: not the model's FP16 handling) and the format."""
         values = self.host_values()
         return {
             "scale": values["scale"],
             **{key: getattr(config, key) for key in _CONFIG_KEYS},
             **{key: values[key] for key in FIELDS if key != "scale"},
-            "config": config.to_dict(),
+            "config": config.scaler_dict(),  # the model's FP16 handling is not the scaler's
             "fp32_modules": list(self.fp32_modules),
             "format": STATE_FORMAT,
             "format_version": STATE_FORMAT_VERSION,
@@ -198,7 +271,7 @@ def _warn_config_differs(
     saved: dict[str, Any] | None, state_dict: dict[str, Any], config: LossScaleConfig
 ) -> None:
     if saved is not None:
-        current = config.to_dict()
+        current = config.scaler_dict()
         differing = sorted(k for k, v in saved.items() if current.get(k, v) != v)
         if differing:
             warnings.warn(
@@ -305,8 +378,11 @@ def validate_state_dict(state_dict: Any) -> dict[str, Any]:
         wrong.append(f"fp32_modules={fp32_modules!r} (need a list of module names)")
     config = None
     if ours:
+        saved = state_dict["config"]
+        if isinstance(saved, dict):  # written before FP16Config: those fields are the model's, not compared
+            saved = {k: v for k, v in saved.items() if k not in FP16_FIELDS}
         try:
-            config = LossScaleConfig.from_dict(state_dict["config"], source="scaler state 'config'").to_dict()
+            config = LossScaleConfig.from_dict(saved, source="scaler state 'config'").scaler_dict()
         except ValueError as err:
             wrong.append(str(err))
     if wrong:

@@ -30,6 +30,7 @@ from .callbacks import (
     PreflightCallback,
     telemetry_events,
 )
+from .deepspeed import to_deepspeed_config
 from .loss_normalisation import fix_loss_normalisation
 
 __all__ = [
@@ -233,11 +234,11 @@ def last_complete_checkpoint(output_dir: str | os.PathLike) -> str | None:
 
 
 def check_deepspeed_fp16(config: LossScaleConfig, fp16_section: dict[str, Any]) -> list[str]:
-    """Warn, naming them, where DeepSpeed's `fp16` section differs from `config.to_deepspeed_config()`
+    """Warn, naming them, where DeepSpeed's `fp16` section differs from `to_deepspeed_config(config)`
     ("auto" values, which Accelerate fills in, count as agreeing). Returns the differing keys."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the inexpressible settings are not the question here
-        wanted = config.to_deepspeed_config()
+        wanted = to_deepspeed_config(config)
     differing = sorted(
         k for k, v in wanted.items() if k in fp16_section and fp16_section[k] not in (v, "auto")
     )
@@ -247,7 +248,7 @@ def check_deepspeed_fp16(config: LossScaleConfig, fp16_section: dict[str, Any]) 
             "DeepSpeed owns the loss scaler in this run; its fp16 section differs from the loss-scale config: "
             + ", ".join(f"{k}={fp16_section[k]!r} (config: {wanted[k]!r})" for k in differing)
             + (f"; not set there (DeepSpeed defaults apply): {missing}" if missing else "")
-            + ". Put `LossScaleConfig.to_deepspeed_config()` in the DeepSpeed config's fp16 section.",
+            + ". Put `hf_lossscale.integrations.deepspeed.to_deepspeed_config(config)` in its fp16 section.",
             stacklevel=3,
         )
     return differing + missing

@@ -12,6 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tiny_models import tiny_bert_classifier, tiny_classification_dataset  # noqa: E402
 
 from hf_lossscale import LossScaleConfig, LossScaleTrainer, LossScaleTrainingArguments  # noqa: E402
+from hf_lossscale.integrations.deepspeed import to_deepspeed_config  # noqa: E402
 
 
 class Injecting(LossScaleTrainer):
@@ -24,7 +25,7 @@ def main():
     out = Path(sys.argv[1])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        fp16 = LossScaleConfig(init_scale=2.0**10, growth_interval=1000).to_deepspeed_config()
+        fp16 = to_deepspeed_config(LossScaleConfig(init_scale=2.0**10, growth_interval=1000))
     ds = {"fp16": fp16, "zero_optimization": {"stage": 0}, "train_micro_batch_size_per_gpu": "auto",
           "gradient_accumulation_steps": "auto", "train_batch_size": "auto"}  # fmt: skip
     args = LossScaleTrainingArguments(
