@@ -1,8 +1,9 @@
 """The recipes, installed with the package (they need the `recipes` extra):
 
-    accelerate launch -m hf_lossscale.recipes.language_modeling --do_train ... --fp16
-    accelerate launch -m hf_lossscale.recipes.text_classification --do_train ... --fp16
+    accelerate launch --config_file "$(hf-lossscale path cpu.yaml)" -m hf_lossscale.recipes.language_modeling ...
+    accelerate launch --config_file "$(hf-lossscale path cpu.yaml)" -m hf_lossscale.recipes.text_classification ...
 
-`recipes/` in the repository holds the same scripts as files to run, read and copy, with the launch
-configs (`recipes/configs/*.yaml`).
+The `accelerate` launch configs (`configs/*.yaml`) and a small offline sample (`sample/`) are package
+data here; `hf-lossscale path` prints where they are installed. `recipes/` in the repository holds
+the same scripts as files to run, read and copy, and `recipes/configs` links to `configs/` here.
 """

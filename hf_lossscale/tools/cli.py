@@ -13,6 +13,8 @@
   under FP32, FP16 with and without scaling and BF16, three seeds, paired verdicts (`hf_lossscale.tools.demo`).
 - `hf-lossscale precision --train_file F --model minilm llama`: FP16 and BF16 forwards against FP32 on
   the same weights: the next-token log-probability gap per token (RL's training-inference mismatch).
+- `hf-lossscale path [NAME]`: where the installed package keeps the `accelerate` launch configs and
+  the small offline sample (`hf_lossscale.tools.packaged`), for the docs' commands without a clone.
 """
 
 from __future__ import annotations
@@ -80,6 +82,15 @@ def make_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     add_precision_arguments(precision)
 
+    from .packaged import __doc__ as path_doc
+    from .packaged import add_path_arguments
+
+    path = commands.add_parser(
+        "path", help="Where the package keeps its launch configs and offline sample (for commands without a clone).",
+        description=path_doc, formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    add_path_arguments(path)
+
     from .demo import __doc__ as demo_doc
 
     # Listed for --help; `main` hands `demo ...` to the demo's own parser (it takes recipe flags after --).
@@ -130,6 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         check(opts)
         run_precision(opts)
         return 0
+    if opts.command == "path":
+        from .packaged import run as run_path
+
+        return run_path(opts.name)
     if opts.command == "underflow":
         from ..fp16.underflow import run as run_underflow
 
