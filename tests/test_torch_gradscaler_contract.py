@@ -232,3 +232,27 @@ def test_torchs_private_helpers_work_on_ours():
     assert scaler._maybe_opt_step(opt, scaler._per_optimizer_states[id(opt)]) is None  # skipped
     assert torch.equal(model.weight, before)
     assert DynamicLossScaler(enabled=False)._enabled is False
+
+
+def test_a_scaler_pickled_before_its_flags_and_outcome_were_objects_loads():
+    """A pickle from before `StepFlags` and `StepOutcome` (its flags buffer, loss probe and last-step
+    flags as attributes of the scaler) unpickles into them and trains on. Bug caught: an
+    AttributeError on `flags` or `last_step` at the first step after loading such a pickle."""
+    model = torch.nn.Linear(2, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    a = DynamicLossScaler(init_scale=4.0)
+    a.scale(model(torch.ones(1, 2)).sum()).backward()
+    a.step(opt)
+    a.update()
+    old = a.__getstate__()
+    del old["flags"], old["last_step"]
+    old.update(_loss_probe=None, _flags={}, _found_taken=False, _host_skipped=False,
+               _backed_off=torch.tensor(False), last_loss_nonfinite=torch.tensor(False))  # fmt: skip
+    b = DynamicLossScaler.__new__(DynamicLossScaler)
+    b.__setstate__(old)
+    assert b.last_step_skipped_if_known is False and bool(b.last_backed_off) is False
+    assert b.last_step.skipped is False and b.stats() == a.stats()
+    b.scale(model(torch.ones(1, 2)).sum()).backward()
+    b.step(opt)
+    b.update()
+    assert b.stats()["total_steps"] == 2

@@ -172,6 +172,11 @@ class LossScaleConfig:
             an event (and a warning) when the scale has sat at `min_scale` for this many optimizer
             steps in a row. 0 disables it.
 
+    Four of these fields (`fp16_on_cpu`, `fp32_modules`, `max_auto_fp32_modules`, `master_weights`)
+    are the model's FP16 handling rather than the scaler's: `config.fp16` gives them
+    as an `FP16Config`, and a scaler's checkpoint carries only the rest (`scaler_dict()`), so a
+    resumed run may change them without a word.
+
     Example:
 
     ```python

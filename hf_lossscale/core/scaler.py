@@ -772,7 +772,8 @@ class DynamicLossScaler(torch.amp.GradScaler):
         """Everything needed to continue the exact trajectory, as plain Python values.
 
         A superset of `torch.amp.GradScaler.state_dict()` (so torch's scaler can load it too), with
-        the hysteresis tracker, the counters and the config. Loads with `torch.load(...,
+        the hysteresis tracker, the counters and the scaler's config (`LossScaleConfig.scaler_dict()`:
+        not the model's FP16 handling, `config.fp16`). Loads with `torch.load(...,
         weights_only=True)` and moves between devices. Synchronises with the device.
         """
         return self.state.state_dict(self.config)
@@ -781,7 +782,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         """Restore a state written by `state_dict()` or by `torch.amp.GradScaler.state_dict()`.
 
         The current config stays in force; fields where the checkpoint's config differs are named in
-        a warning, and a restored scale outside `[min_scale, max_scale]` is clamped with a warning.
+        a warning (the model's FP16 handling, `config.fp16`, is not compared), and a restored scale outside `[min_scale, max_scale]` is clamped with a warning.
         A malformed state raises `ValueError` naming the missing or wrong keys.
         """
         self.config = self.state.load_state_dict(state_dict, self.config)
