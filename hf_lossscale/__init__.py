@@ -18,7 +18,7 @@ _LAZY = {
     "DynamicLossScaler": "core.scaler",
     "LossScaleCollapseError": "core.scaler",
     "install_loss_scaler": "integrations.accelerate_hook",
-    "LossScaleTrainingArguments": "integrations.trainer",
+    "LossScaleTrainingArguments": "integrations.training_args",
     "LossScaleTrainer": "integrations.trainer",
     "LossScaleMixin": "integrations.trainer",
 }

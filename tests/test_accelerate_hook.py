@@ -9,6 +9,7 @@ from tiny_models import tiny_mlp
 
 from hf_lossscale import DynamicLossScaler, LossScaleConfig, install_loss_scaler
 from hf_lossscale.integrations.accelerate_hook import LossScaledOptimizer
+from hf_lossscale.integrations.compat import accelerate_has_4242
 
 
 def run(order, optimizer="adamw_fused", steps=5, bad=(2,), clip=True, fp16_on_cpu="native"):
@@ -57,8 +58,12 @@ def run(order, optimizer="adamw_fused", steps=5, bad=(2,), clip=True, fp16_on_cp
 def test_cpu_fp16_install_before_or_after_prepare(order, optimizer, fp16_on_cpu):
     acc, scaler, model, opt, history = run(order, optimizer, fp16_on_cpu=fp16_on_cpu)
     assert acc.scaler is scaler and acc.native_amp
-    assert acc.hf_lossscale_fp16 == {"native": "native-cpu", "emulate": "emulated"}[fp16_on_cpu]
-    assert isinstance(opt, LossScaledOptimizer) and opt.scaler is scaler
+    assert acc.hf_lossscale.fp16 == {"native": "native-cpu", "emulate": "emulated"}[fp16_on_cpu]
+    assert acc.hf_lossscale.scaler is scaler and opt.scaler is scaler
+    assert isinstance(opt, LossScaledOptimizer) == accelerate_has_4242()
+    assert opt in acc._optimizers  # the optimizer prepare() returned is the one Accelerate steps and saves
+    # native CPU FP16 is Accelerate's own autocast (native_amp on); only the emulation replaces it
+    assert ("autocast" in vars(acc)) == (fp16_on_cpu == "emulate")
     for step, (out_dtype, inner_dtype, skipped, acc_skipped, unchanged) in enumerate(history):
         assert inner_dtype == torch.float16  # real FP16 compute on the CPU
         assert out_dtype == torch.float32  # outputs converted back, as Accelerate does on GPUs
@@ -113,6 +118,37 @@ def test_save_and_load_state_round_trip(tmp_path):
     scaler.update(new_scale=3.0)
     acc.load_state(tmp_path / "ckpt")
     assert acc.scaler.state_dict() == saved
+
+
+def test_load_state_follows_the_resume_rule(tmp_path, caplog):
+    """`accelerator.load_state` with our scaler resumes as the Trainer does (issue 48 item 3): every
+    setting from this run's config, the scale and counters from the checkpoint, one line naming what
+    differs, none of the scaler's own config warnings. A plain `load_state_dict` keeps torch's
+    semantics (the checkpoint's growth_interval). Bugs caught: a hook resume keeping the checkpoint's
+    growth_interval 3 while taking hysteresis from this run (the mixed sources issue 48 found), a
+    rule that also rewrites plain `load_state_dict`, a silent resume."""
+    import logging
+
+    acc, scaler, model, opt, _ = run("before", steps=4, bad=(1,))
+    scaler.set_growth_interval(3)
+    acc.save_state(tmp_path / "ckpt")
+    saved = scaler.stats()
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(True)
+    acc2 = Accelerator(mixed_precision="fp16")
+    scaler2 = install_loss_scaler(acc2, LossScaleConfig(init_scale=2.0**4, growth_interval=7, hysteresis=2))
+    acc2.prepare(tiny_mlp(), torch.optim.AdamW(tiny_mlp().parameters(), lr=1e-2, fused=True))
+    with warnings.catch_warnings(), caplog.at_level(logging.WARNING):
+        warnings.simplefilter("error")  # the scaler's own "restored from the state" warnings: replaced
+        acc2.load_state(tmp_path / "ckpt")
+    assert scaler2.config.growth_interval == 7 and scaler2.config.hysteresis == 2
+    assert scaler2.stats()["loss_scale"] == saved["loss_scale"] and scaler2.stats()["skipped_steps"] == 1
+    lines = [r.getMessage() for r in caplog.records if "resumed the loss scaler" in r.getMessage()]
+    assert len(lines) == 1 and "growth_interval 7 (checkpoint 3)" in lines[0]
+    with pytest.warns(UserWarning, match="Restored from the loss-scaler state"):
+        scaler2.load_state_dict(scaler.state_dict())  # torch's semantics, outside load_state
+    assert scaler2.config.growth_interval == 3
 
 
 def test_no_op_with_warning_for_bf16_and_fp32():

@@ -176,3 +176,30 @@ def test_untested_versions_are_named_once_at_run_time(monkeypatch):
         warnings.simplefilter("error")
         install_loss_scaler(Accelerator(mixed_precision="fp16"))  # named once per process
     assert _compat.untested_versions() == {"accelerate": version("accelerate")}
+
+
+def test_accelerate_4242_gate_matches_the_installed_accelerate():
+    """`compat.accelerate_has_4242()` says whether `install_loss_scaler` needs `LossScaledOptimizer`.
+    Observed here: a scaler that calls the optimizer's step and skips inside it (as a fused kernel
+    does) leaves plain Accelerate's `step_was_skipped` False. Bugs caught: an accelerate release that
+    fixes issue 4242 while the gate still swaps classes (set `ACCELERATE_4242_FIXED_IN`), or a gate
+    that turns the workaround off on a release that still has the bug (fused skips then read as
+    steps: the Trainer would advance its LR schedule on them)."""
+    from accelerate import Accelerator
+    from accelerate.optimizer import AcceleratedOptimizer
+
+    from hf_lossscale.integrations.compat import accelerate_has_4242
+
+    class FusedLikeScaler:
+        def step(self, optimizer, closure=None):
+            optimizer.step()  # the kernel runs, and skips on the device's found-inf flag
+
+        def update(self):
+            pass
+
+    Accelerator()  # the state AcceleratedOptimizer reads
+    model = torch.nn.Linear(2, 1)
+    optimizer = AcceleratedOptimizer(torch.optim.SGD(model.parameters(), lr=0.1), scaler=FusedLikeScaler())
+    optimizer.step()
+    observed_bug = optimizer.step_was_skipped is False  # the step was skipped in the kernel
+    assert accelerate_has_4242() == observed_bug

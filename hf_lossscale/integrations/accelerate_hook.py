@@ -1,15 +1,28 @@
 """Everything that touches Accelerate: `install_loss_scaler` puts a `DynamicLossScaler` in charge.
 
-Nothing here patches Accelerate globally: the hook changes one `Accelerator` instance (its
-`scaler`, `native_amp`, the forward of its prepared models, its prepared optimizers, and its own
-`prepare_model`/`prepare_optimizer`/`autocast` attributes).
+Nothing here patches Accelerate globally. On the one `Accelerator` it is given, the hook sets
+`scaler` (Accelerate's own slot), keeps what it installed in one namespace, `accelerator.hf_lossscale`
+(a `LossScaleInstall`), and wraps four of its methods: `prepare_model` and `prepare_optimizer` (so
+what is prepared later gets the scaler and the FP16 compute), `clip_grad_norm_` and
+`clip_grad_value_` (one read of the gradients; FP32 masters). On a CPU it also turns `native_amp` on
+(Accelerate's gate for unscaling), and, when FP16 is emulated, wraps `autocast` and `backward` in the
+emulation (native CPU FP16 is Accelerate's own autocast). Optimizers are wrapped through
+`AcceleratedOptimizer`'s own constructor; only where accelerate issue 4242 exists
+(`compat.accelerate_has_4242`) are they `LossScaledOptimizer`s.
+
+Install before `prepare()`: that is the supported path, where Accelerate itself builds each
+optimizer's step machinery around the scaler. Installed after `prepare()`, the optimizers already
+handed out are adapted in place (their step machinery rebuilt through `AcceleratedOptimizer`'s own
+`__setstate__`, and, under issue 4242, their class made `LossScaledOptimizer`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
+import os
 import warnings
 from collections.abc import Callable
 from types import MethodType
@@ -17,19 +30,25 @@ from typing import Any
 
 import torch
 from accelerate import Accelerator
-from accelerate.optimizer import AcceleratedOptimizer, patch_optimizer_step
+from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType, convert_outputs_to_fp32
 
 from ..core.config import LossScaleConfig, resolve_config
 from ..core.scaler import DynamicLossScaler
+from ..core.scaler_observers import ScalerObserver
 from ..fp16.emulation import fp16_emulation
 from ..fp16.fp32_modules import run_in_fp32
-from .compat import warn_if_untested
+from .compat import accelerate_has_4242, warn_if_untested
+from .resume import LOAD_CONFIG_WARNINGS, restore_settings, resume_line
 
 __all__ = [
     "install_loss_scaler",
+    "LossScaleInstall",
     "LossScaledOptimizer",
     "effective_mixed_precision",
+    "fp16_context",
+    "fp16_kind",
+    "inner_optimizer",
     "plain_forward",
     "needs_found_inf_sync",
 ]
@@ -43,7 +62,9 @@ class LossScaledOptimizer(AcceleratedOptimizer):
     """`AcceleratedOptimizer` whose `step_was_skipped` comes from the scaler's device-side flag.
 
     Accelerate decides "skipped" by whether `optimizer.step` was called, which is wrong for fused
-    optimizers: they are always called and skip inside the kernel (accelerate issue 4242).
+    optimizers: they are always called and skip inside the kernel
+    (https://github.com/huggingface/accelerate/issues/4242; used only where
+    `compat.accelerate_has_4242()`).
     With a fused optimizer, reading `step_was_skipped` costs one host read of a 0-d device tensor,
     once per step however many callers ask; otherwise `scaler.step()` already read the flag and
     reading it costs nothing.
@@ -65,6 +86,43 @@ class LossScaledOptimizer(AcceleratedOptimizer):
         if getattr(self, "_skip_value", None) is None:
             self._skip_value = bool(flag.item())
         return self._skip_value
+
+
+@dataclasses.dataclass
+class LossScaleInstall:
+    """What `install_loss_scaler` put on an Accelerator, in one place: `accelerator.hf_lossscale`.
+
+    Args:
+        scaler (`DynamicLossScaler`): the scaler installed (also `accelerator.scaler`).
+        fp16 (`str`): the FP16 compute of the run: `"emulated"`, `"native-cpu"` or `"cuda"`.
+        context (`Callable`, *optional*): the FP16 compute context on a CPU (None elsewhere).
+    """
+
+    scaler: DynamicLossScaler
+    fp16: str
+    context: Callable[[], contextlib.AbstractContextManager] | None = None
+    #: the `load_state` pre-hook's handle (the resume rule)
+    load_hook: Any = None
+    #: whether prepare_model / prepare_optimizer, clip_grad_norm_ / clip_grad_value_ are wrapped
+    prepare_wrapped: bool = False
+    clip_routed: bool = False
+
+
+def _installed(accelerator: Any) -> LossScaleInstall | None:
+    found = getattr(accelerator, "hf_lossscale", None)
+    return found if isinstance(found, LossScaleInstall) else None
+
+
+def fp16_kind(accelerator: Any) -> str | None:
+    """The FP16 compute `install_loss_scaler` set up (`"emulated"`, `"native-cpu"`, `"cuda"`), or None."""
+    found = _installed(accelerator)
+    return found.fp16 if found is not None else None
+
+
+def fp16_context(accelerator: Any) -> Callable[[], contextlib.AbstractContextManager] | None:
+    """The CPU FP16 compute context `install_loss_scaler` set up (emulation or CPU autocast), or None."""
+    found = _installed(accelerator)
+    return found.context if found is not None else None
 
 
 def effective_mixed_precision(accelerator: Accelerator) -> str:
@@ -90,8 +148,16 @@ def install_loss_scaler(
     `accelerator.backward`: by default emulated (`fp16_emulation(policy="cuda")`: FP16 rounding,
     underflow and overflow at FP32 speed), or with `fp16_on_cpu="native"` real
     `torch.autocast("cpu", dtype=torch.float16)`, about 20x slower than FP32 (for correctness work
-    and demos). Which one ran is logged and kept in `accelerator.hf_lossscale_fp16` (`"emulated"`,
-    `"native-cpu"` or `"cuda"`).
+    and demos). Which one ran is logged and kept in `accelerator.hf_lossscale.fp16` (`"emulated"`,
+    `"native-cpu"` or `"cuda"`; `fp16_kind(accelerator)`).
+
+    Install it before `accelerator.prepare(...)`: the supported path. After `prepare()` it still
+    works, adapting the optimizers already prepared in place.
+
+    A resume through `accelerator.load_state` follows the Trainer's rule: every setting comes from
+    this run's config, the checkpoint gives the dynamic state (scale, trackers, counters, the modules
+    `fp32_modules="auto"` moved), and one line lists the settings that differ from the checkpoint's.
+    (A plain `scaler.load_state_dict` keeps torch's semantics.)
 
     `accelerator.clip_grad_norm_` then unscales, checks and clips in one read of the gradients
     (`DynamicLossScaler.clip_grad_norm_`) when its parameters are exactly one prepared optimizer's;
@@ -134,19 +200,82 @@ def install_loss_scaler(
     scaler = DynamicLossScaler(config, device=accelerator.device)
     if needs_found_inf_sync(accelerator):
         scaler.sync_found_inf_across()  # FSDP1: gradients are local flat shards
+    previous = _installed(accelerator)
     accelerator.scaler = scaler
-    accelerator.hf_lossscale_fp16 = accelerator.device.type
+    install = LossScaleInstall(scaler, fp16=accelerator.device.type)
+    if previous is not None:  # installed again: the wrappers stay, they read the namespace
+        install.prepare_wrapped, install.clip_routed = previous.prepare_wrapped, previous.clip_routed
+        if previous.load_hook is not None:
+            previous.load_hook.remove()
+    accelerator.hf_lossscale = install
     if accelerator.device.type == "cpu":
         _enable_cpu_fp16(accelerator, config.fp16_on_cpu)
-    for i, opt in enumerate(accelerator._optimizers):
-        accelerator._optimizers[i] = _attach_to_optimizer(opt, scaler)
+    for opt in accelerator._optimizers:
+        _attach_to_optimizer(opt, scaler)  # prepared before the scaler: adapted in place
     for model in accelerator._models:
         scaler.set_parameter_names(accelerator.unwrap_model(model, keep_fp32_wrapper=True))
         _apply_fp32_modules(accelerator.unwrap_model(model), scaler)
     _hook_prepare(accelerator)
     _route_clip(accelerator)
+    rule = _ResumeRule(accelerator, scaler)
+    scaler.observers.append(rule)
+    install.load_hook = accelerator.register_load_state_pre_hook(rule.before_load)
     logger.info("hf_lossscale: installed %r", scaler)
     return scaler
+
+
+class _ResumeRule(ScalerObserver):
+    """`accelerator.load_state` with our scaler: the Trainer's resume rule (every setting from this
+    run, the dynamic state from the checkpoint, one line for what differs). Armed by a `load_state`
+    pre-hook (Accelerate's public one) only when the checkpoint holds a scaler state, so a plain
+    `scaler.load_state_dict` keeps torch's semantics."""
+
+    def __init__(self, accelerator: Accelerator, scaler: DynamicLossScaler) -> None:
+        self.accelerator = accelerator
+        self.scaler = scaler
+        self._armed: tuple[LossScaleConfig, dict[str, Any], str, list] | None = None
+
+    def before_load(self, models: list[Any], input_dir: str) -> None:
+        self._disarm()
+        path = os.path.join(input_dir, "scaler.pt")  # accelerate.utils.SCALER_NAME
+        if self.accelerator.scaler is not self.scaler or not os.path.isfile(path):
+            return
+        try:
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+        except Exception:  # noqa: BLE001 - Accelerate's own load reports an unreadable file
+            return
+        if not isinstance(saved, dict):
+            return
+        # the scaler's own warnings about the config (torch's fields restored; fields that differ):
+        # the one line after the load replaces them
+        filters = []
+        for message in LOAD_CONFIG_WARNINGS:
+            warnings.filterwarnings("ignore", message=message)
+            filters.append(warnings.filters[0])
+        self._armed = (self.scaler.config, saved, path, filters)
+
+    def _disarm(self) -> None:
+        if self._armed is not None:
+            for entry in self._armed[3]:
+                if entry in warnings.filters:
+                    warnings.filters.remove(entry)  # (an "ignore" filter leaves no registry entry behind)
+            self._armed = None
+
+    def on_state_loaded(self, scaler: DynamicLossScaler) -> None:
+        armed = self._armed
+        self._disarm()
+        if armed is None or scaler is not self.scaler:
+            return
+        current, saved, path, _ = armed
+        restore_settings(scaler, current)
+        line = resume_line(saved, current, path, scale=scaler.state.host["scale"])
+        if line:
+            logger.warning(line)
+        if scaler.state.fp32_modules:  # what "auto" moved to FP32 before the checkpoint stays there
+            for model in self.accelerator._models:
+                run_in_fp32(
+                    self.accelerator.unwrap_model(model), scaler.state.fp32_modules, include_model_own=False
+                )
 
 
 def _apply_fp32_modules(model: torch.nn.Module, scaler: DynamicLossScaler) -> None:
@@ -214,23 +343,44 @@ def _seed_from_grad_scaler_kwargs(accelerator: Accelerator, config: LossScaleCon
 
 
 # ---------------------------------------------------------------------- optimizers
-def _attach_to_optimizer(opt: Any, scaler: DynamicLossScaler) -> Any:
-    """Point a prepared optimizer at the scaler, with the step machinery Accelerate gives it."""
+def _attach_to_optimizer(opt: Any, scaler: DynamicLossScaler) -> None:
+    """Point an optimizer prepared before the scaler existed at it, in place (the caller holds it).
+
+    Accelerate builds an `AcceleratedOptimizer`'s step machinery only when it has a scaler; its own
+    `__setstate__` (the unpickling path) builds it for the scaler given, so nothing private is
+    written here. Under accelerate issue 4242 its class becomes `LossScaledOptimizer` (the one
+    object the caller already holds cannot be replaced by a new wrapper)."""
     if not isinstance(opt, AcceleratedOptimizer):
-        return opt
-    if getattr(opt, "scaler", None) is None:
-        # Wrapped while the scaler was None: it lacks the patched-step machinery.
-        opt._accelerate_step_called = False
-        opt._optimizer_original_step_method = opt.optimizer.step
-        opt._optimizer_patched_step_method = patch_optimizer_step(opt, opt.optimizer.step)
-    opt.scaler = scaler
-    if type(opt) is AcceleratedOptimizer:
+        return
+    if opt.scaler is not scaler:
+        opt.__setstate__({"scaler": scaler})
+    if accelerate_has_4242() and type(opt) is AcceleratedOptimizer:
         opt.__class__ = LossScaledOptimizer
+    _attach_masters(opt, scaler)
+
+
+def _wrap_prepared_optimizer(accelerator: Accelerator, prepared: Any, scaler: DynamicLossScaler) -> Any:
+    """An optimizer `prepare()` just wrapped, with the scaler installed before (the supported path):
+    Accelerate built its step machinery around the scaler; under accelerate issue 4242 it is
+    re-wrapped through `LossScaledOptimizer`'s own constructor (the state is on its device already)."""
+    if not isinstance(prepared, AcceleratedOptimizer):
+        return prepared
+    if prepared.scaler is not scaler:  # another scaler was in the slot when it was prepared
+        _attach_to_optimizer(prepared, scaler)
+        return prepared
+    wrapped = prepared
+    if accelerate_has_4242() and type(prepared) is AcceleratedOptimizer:
+        wrapped = LossScaledOptimizer(prepared.optimizer, device_placement=False, scaler=scaler)
+        accelerator._optimizers[:] = [wrapped if o is prepared else o for o in accelerator._optimizers]
+    _attach_masters(wrapped, scaler)
+    return wrapped
+
+
+def _attach_masters(opt: Any, scaler: DynamicLossScaler) -> None:
     if scaler.config.master_weights is not False:
         # a model held in FP16: its masters now, so that `load_state` restores them and a clip from
         # the first step on sees them
-        scaler.master_weights.attach(_innermost(opt))
-    return opt
+        scaler.master_weights.attach(inner_optimizer(opt))
 
 
 # ---------------------------------------------------------------------- CPU FP16
@@ -244,14 +394,16 @@ def _cpu_context_factory(fp16_on_cpu: str) -> Callable[[], contextlib.AbstractCo
 def _enable_cpu_fp16(accelerator: Accelerator, fp16_on_cpu: str) -> None:
     """Turn on FP16 compute on the CPU, where Accelerate leaves `native_amp` off."""
     context = _cpu_context_factory(fp16_on_cpu)
-    accelerator.hf_lossscale_fp16 = "emulated" if fp16_on_cpu == "emulate" else "native-cpu"
-    accelerator._hf_lossscale_context = context
-    # `native_amp` gates Accelerate's unscaling before clipping (`unscale_gradients`).
+    install = accelerator.hf_lossscale
+    install.fp16 = "emulated" if fp16_on_cpu == "emulate" else "native-cpu"
+    install.context = context
+    # `native_amp` gates Accelerate's unscaling before clipping (`unscale_gradients`), and makes its
+    # own `autocast()` CPU FP16 autocast: all that native CPU FP16 needs of it.
     accelerator.native_amp = True
     for model in accelerator._models:
         _wrap_forward(accelerator.unwrap_model(model, keep_fp32_wrapper=True), context)
-    accelerator.autocast = MethodType(lambda self, autocast_handler=None: context(), accelerator)
     if fp16_on_cpu == "emulate":
+        accelerator.autocast = MethodType(lambda self, autocast_handler=None: context(), accelerator)
         # Gradient checkpointing recomputes the forward during backward: emulate there too.
         backward = type(accelerator).backward.__get__(accelerator)
 
@@ -306,9 +458,9 @@ def plain_forward(model: torch.nn.Module):
 
 def _hook_prepare(accelerator: Accelerator) -> None:
     """Make models and optimizers prepared later pick up the CPU FP16 context and the scaler."""
-    if getattr(accelerator, "_hf_lossscale_hooked", False):
+    if accelerator.hf_lossscale.prepare_wrapped:
         return
-    accelerator._hf_lossscale_hooked = True
+    accelerator.hf_lossscale.prepare_wrapped = True
     prepare_model = accelerator.prepare_model
     prepare_optimizer = accelerator.prepare_optimizer
 
@@ -323,8 +475,9 @@ def _hook_prepare(accelerator: Accelerator) -> None:
         finally:
             accelerator.native_amp = saved
         inner = accelerator.unwrap_model(prepared, keep_fp32_wrapper=True)
-        if on_cpu:
-            _wrap_forward(inner, accelerator._hf_lossscale_context)
+        context = fp16_context(accelerator)
+        if on_cpu and context is not None:
+            _wrap_forward(inner, context)
         if isinstance(accelerator.scaler, DynamicLossScaler):
             accelerator.scaler.set_parameter_names(inner)
             _apply_fp32_modules(inner, accelerator.scaler)
@@ -334,7 +487,7 @@ def _hook_prepare(accelerator: Accelerator) -> None:
     def hooked_prepare_optimizer(optimizer, *args, **kwargs):
         prepared = prepare_optimizer(optimizer, *args, **kwargs)
         if isinstance(accelerator.scaler, DynamicLossScaler):
-            _attach_to_optimizer(prepared, accelerator.scaler)
+            return _wrap_prepared_optimizer(accelerator, prepared, accelerator.scaler)
         return prepared
 
     accelerator.prepare_model = hooked_prepare_model
@@ -356,9 +509,9 @@ def _route_clip(accelerator: Accelerator) -> None:
     the parameters with gradients are exactly those of one prepared optimizer, the run is FP16
     with our scaler, and it is not FSDP1 (whose wrapped module clips its own shards), DeepSpeed or
     XLA. Anything else goes to Accelerate's own method, unchanged."""
-    if getattr(accelerator, "_hf_lossscale_clip_routed", False):
+    if accelerator.hf_lossscale.clip_routed:
         return
-    accelerator._hf_lossscale_clip_routed = True
+    accelerator.hf_lossscale.clip_routed = True
     original = accelerator.clip_grad_norm_
 
     @functools.wraps(original)
@@ -371,7 +524,7 @@ def _route_clip(accelerator: Accelerator) -> None:
             return original(_as_masters(accelerator, parameters), max_norm, norm_type=norm_type)
         scaler = accelerator.scaler
         for opt in accelerator._optimizers:  # Accelerate unscales every optimizer here
-            inner = _innermost(opt)
+            inner = inner_optimizer(opt)
             if inner is not target:
                 scaler.unscale_(inner)
         return scaler.clip_grad_norm_(target, max_norm, norm_type, parameters=parameters)
@@ -387,7 +540,8 @@ def _route_clip(accelerator: Accelerator) -> None:
     accelerator.clip_grad_value_ = clip_grad_value_
 
 
-def _innermost(optimizer: Any) -> torch.optim.Optimizer:
+def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
+    """The torch optimizer inside Accelerate's `AcceleratedOptimizer` wrappers (or the optimizer itself)."""
     while isinstance(optimizer, AcceleratedOptimizer):
         optimizer = optimizer.optimizer
     return optimizer
@@ -406,7 +560,7 @@ def _single_optimizer_of(accelerator: Accelerator, parameters: list[torch.Tensor
         return None
     matches = []
     for opt in accelerator._optimizers:
-        inner = _innermost(opt)
+        inner = inner_optimizer(opt)
         # with master weights the optimizer holds FP32 masters, whose gradients are still in their FP16
         # parameters until the scaler reads them: compare through the pairs
         pairs = scaler.master_weights.pairs(inner)
@@ -428,6 +582,8 @@ def _as_masters(accelerator: Accelerator, parameters: list[torch.Tensor]) -> lis
     if not isinstance(scaler, DynamicLossScaler):
         return parameters
     to_master = {
-        id(h): m for opt in accelerator._optimizers for h, m in scaler.master_weights.pairs(_innermost(opt))
+        id(h): m
+        for opt in accelerator._optimizers
+        for h, m in scaler.master_weights.pairs(inner_optimizer(opt))
     }
     return [to_master.get(id(p), p) for p in parameters] if to_master else parameters

@@ -33,7 +33,7 @@ from ..core.scaler_observers import nonfinite_flags
 from ..core.telemetry import ActivationGradientProbe, module_key
 from ..fp16.emulation import measure_flushed_fraction
 from ..fp16.fp32_modules import ancestors, fp32_module_names, run_in_fp32, runs_in_fp32
-from .accelerate_hook import effective_mixed_precision, plain_forward
+from .accelerate_hook import effective_mixed_precision, fp16_context, fp16_kind, plain_forward
 
 __all__ = [
     "ActivationProbeCallback",
@@ -215,7 +215,7 @@ def run_info(trainer: Any) -> dict[str, Any]:
         **extra,
         "mixed_precision": effective_mixed_precision(trainer.accelerator),
         # "emulated", "native-cpu", "cuda"; None when no DynamicLossScaler runs
-        "fp16": getattr(trainer.accelerator, "hf_lossscale_fp16", None) if scaler else None,
+        "fp16": fp16_kind(trainer.accelerator) if scaler else None,
         "loss_scale_config": scaler.config.to_dict() if scaler else None,
         # the modules that run in FP32 at the start (configured, the model's own, a resumed "auto")
         "fp32_modules": fp32_module_names(trainer.accelerator.unwrap_model(trainer.model)) if scaler else [],
@@ -408,7 +408,7 @@ class OverflowDiagnosisCallback(TrainerCallback):
     def _diagnose(self, model: torch.nn.Module, scaler: Any) -> dict[str, Any] | None:
         if not self._batches:
             return None
-        context = getattr(self.trainer.accelerator, "_hf_lossscale_context", None) or contextlib.nullcontext
+        context = fp16_context(self.trainer.accelerator) or contextlib.nullcontext
 
         def loss_fn(m, batch):
             args, inputs = batch
@@ -541,7 +541,7 @@ class FlushedFractionCallback(TrainerCallback):
 
     def measure(self, when: str) -> dict[str, Any]:
         trainer = self.trainer
-        kind = getattr(trainer.accelerator, "hf_lossscale_fp16", "cuda")
+        kind = fp16_kind(trainer.accelerator) or "cuda"
         fp16, policy = {"emulated": ("emulate", "cuda"), "native-cpu": ("native", "cpu")}.get(
             kind, ("native", "cuda")
         )
@@ -595,7 +595,7 @@ class PreflightCallback(TrainerCallback):
 
         trainer = self.trainer
         model = trainer.accelerator.unwrap_model(trainer.model, keep_fp32_wrapper=True)
-        context = getattr(trainer.accelerator, "_hf_lossscale_context", None)
+        context = fp16_context(trainer.accelerator)
         with plain_forward(model):
             result = preflight(
                 model, [batch], lambda m, b: trainer.compute_loss(m, b), fp16_context=context,

@@ -10,10 +10,32 @@ TESTED_VERSIONS = {"accelerate": "1.16", "transformers": "5.25", "torch": "2.13"
 #: Optional extras: checked when installed (`hf_lossscale.integrations.trl_trainers` needs trl).
 OPTIONAL = {"trl"}
 
+#: The first accelerate release whose `AcceleratedOptimizer.step_was_skipped` is right for fused
+#: optimizers (https://github.com/huggingface/accelerate/issues/4242: it says whether the wrapped
+#: `optimizer.step` was called, and a fused optimizer is always called, skipping inside its kernel).
+#: None: no release fixes it yet (1.16's `accelerate/optimizer.py` still decides it that way).
+#: `tests/test_compat.py` observes the bug on the installed accelerate and checks this against it.
+ACCELERATE_4242_FIXED_IN: str | None = None
+
+
+def accelerate_has_4242() -> bool:
+    """Whether the installed accelerate has issue 4242 (so `install_loss_scaler` wraps optimizers in
+    `LossScaledOptimizer`, whose `step_was_skipped` reads the scaler's flag)."""
+    if ACCELERATE_4242_FIXED_IN is None:
+        return True
+    from importlib.metadata import version
+
+    installed = tuple(int(p) for p in major_minor(version("accelerate")).split("."))
+    return installed < tuple(int(p) for p in ACCELERATE_4242_FIXED_IN.split("."))
+
+
 # Internals we rely on: (module, attribute path).
 INTERNALS = [
     ("accelerate.optimizer", "AcceleratedOptimizer"),
-    ("accelerate.optimizer", "patch_optimizer_step"),
+    # an optimizer prepared before install_loss_scaler gets its step machinery rebuilt around the scaler
+    # by accelerate's own unpickling path, `__setstate__({"scaler": ...})` (it builds the three
+    # `_optimizer_*` / `_accelerate_step_called` attributes below when the scaler is set)
+    ("accelerate.optimizer", "AcceleratedOptimizer.__setstate__"),
     ("accelerate.accelerator", "Accelerator.unscale_gradients"),
     ("accelerate.accelerator", "Accelerator.clip_grad_norm_"),
     ("accelerate.accelerator", "Accelerator.clip_grad_value_"),
@@ -27,6 +49,8 @@ INTERNALS = [
     ("transformers.trainer_utils", "unwrap_peft_model"),
     # install_loss_scaler wraps accelerator.clip_grad_norm_ (public) and asks is_fsdp2
     ("accelerate.accelerator", "Accelerator.is_fsdp2"),
+    # the resume rule for accelerator.load_state hangs on its public pre-hook
+    ("accelerate.accelerator", "Accelerator.register_load_state_pre_hook"),
     # torch's clip_grad_norm_ internals, reproduced step for step so the norm is bitwise torch's
     ("torch.utils._foreach_utils", "_group_tensors_by_device_and_dtype"),
     ("torch.utils._foreach_utils", "_has_foreach_support"),
@@ -56,11 +80,12 @@ INTERNALS = [
 # Private attributes of accelerate's *instances* that install_loss_scaler reads or writes:
 # (module, class, attribute); tests/test_compat.py builds the instances and checks each.
 INSTANCE_INTERNALS = [
-    # the prepared optimizers and models, which install_loss_scaler attaches the scaler to
+    # the prepared optimizers and models, which install_loss_scaler attaches the scaler to (and, under
+    # accelerate issue 4242, swaps a freshly prepared optimizer for its LossScaledOptimizer in)
     ("accelerate.accelerator", "Accelerator", "_optimizers"),
     ("accelerate.accelerator", "Accelerator", "_models"),
-    # the step machinery AcceleratedOptimizer builds only when it has a scaler; we build it for
-    # optimizers prepared before the scaler existed
+    # the step machinery AcceleratedOptimizer builds only when it has a scaler (its `__setstate__`
+    # builds it for optimizers prepared before the scaler existed; we write none of it)
     ("accelerate.optimizer", "AcceleratedOptimizer", "_accelerate_step_called"),
     ("accelerate.optimizer", "AcceleratedOptimizer", "_optimizer_original_step_method"),
     ("accelerate.optimizer", "AcceleratedOptimizer", "_optimizer_patched_step_method"),

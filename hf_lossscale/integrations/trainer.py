@@ -1,27 +1,25 @@
-"""Trainer integration: `LossScaleTrainingArguments`, `LossScaleMixin` and `LossScaleTrainer`."""
+"""Trainer integration: `LossScaleMixin` and `LossScaleTrainer` (their arguments:
+`hf_lossscale.integrations.training_args`)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
-import math
 import os
 import re
 import warnings
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from accelerate.utils import DistributedType
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer
 from transformers.trainer import SCALER_NAME, TRAINER_STATE_NAME
 
 from ..core.config import LossScaleConfig, resolve_config
-from ..core.events import EVENT_LOG_NAME, strict_json
+from ..core.events import strict_json
 from ..core.scaler import DynamicLossScaler
 from ..fp16.fp32_modules import run_in_fp32
-from .accelerate_hook import effective_mixed_precision, install_loss_scaler
+from .accelerate_hook import effective_mixed_precision, fp16_kind, inner_optimizer, install_loss_scaler
 from .callbacks import (
     ActivationProbeCallback,
     FlushedFractionCallback,
@@ -32,36 +30,10 @@ from .callbacks import (
 )
 from .deepspeed import to_deepspeed_config
 from .loss_normalisation import fix_loss_normalisation
+from .resume import LOAD_CONFIG_WARNINGS, restore_settings, resume_line
+from .training_args import ARG_TO_FIELD, LossScaleTrainingArguments
 
-__all__ = [
-    "LossScaleTrainingArguments",
-    "LossScaleMixin",
-    "LossScaleTrainer",
-    "ARG_TO_FIELD",
-    "EVENT_LOG_NAME",
-]
-
-#: `LossScaleTrainingArguments` field -> `LossScaleConfig` field.
-ARG_TO_FIELD = {
-    "loss_scale_mode": "mode",
-    "loss_scale_init": "init_scale",
-    "loss_scale_growth_factor": "growth_factor",
-    "loss_scale_backoff_factor": "backoff_factor",
-    "loss_scale_growth_interval": "growth_interval",
-    "loss_scale_min": "min_scale",
-    "loss_scale_max": "max_scale",
-    "loss_scale_hysteresis": "hysteresis",
-    "loss_scale_consecutive_hysteresis": "consecutive_hysteresis",
-    "loss_scale_max_consecutive_skips": "max_consecutive_skips",
-    "loss_scale_fp16_on_cpu": "fp16_on_cpu",
-    "loss_scale_telemetry_interval": "telemetry_interval",
-    "loss_scale_backoff_on_nonfinite_loss": "backoff_on_nonfinite_loss",
-    "loss_scale_fp32_modules": "fp32_modules",
-    "loss_scale_max_auto_fp32_modules": "max_auto_fp32_modules",
-    "loss_scale_at_min_scale": "at_min_scale",
-    "loss_scale_floor_event_steps": "floor_event_steps",
-    "loss_scale_master_weights": "master_weights",
-}
+__all__ = ["LossScaleMixin", "LossScaleTrainer", "last_complete_checkpoint"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,124 +42,6 @@ _FRESH_HINT = (
     "`--loss_scale_fresh_on_resume` (LossScaleTrainingArguments) or "
     "`LossScaleTrainer(..., loss_scale_fresh_on_resume=True)`."
 )
-
-
-def _shown(value: Any) -> str:
-    """A default as a user would type it: powers of two as 2**k, an empty tuple as none."""
-    if isinstance(value, float) and value >= 1024 and math.log2(value).is_integer():
-        return f"2**{int(math.log2(value))}"
-    if isinstance(value, tuple):
-        return ",".join(value) or "none"
-    return repr(value)
-
-
-def _setting(config_field: str, extra: str = "") -> Any:
-    """A `loss_scale_*` argument for one `LossScaleConfig` field: default None ("not set"); its help is
-    the config field's, with the config's default."""
-    spec = next(f for f in dataclasses.fields(LossScaleConfig) if f.name == config_field)
-    return field(
-        default=None, metadata={"help": f"{spec.metadata['help']} (default {_shown(spec.default)}{extra})"}
-    )
-
-
-@dataclass
-class LossScaleTrainingArguments(TrainingArguments):
-    """`TrainingArguments` with the loss-scale settings. `None` means "not set".
-
-    Set fields win over the `HF_LOSSSCALE_*` environment variables and the `HF_LOSSSCALE_CONFIG`
-    file; an explicit `loss_scale_config=` given to the trainer wins over all of them. Values are
-    validated here, through `LossScaleConfig`, so a bad flag fails at argument time.
-    """
-
-    # The settings, one per `LossScaleConfig` field (`ARG_TO_FIELD`): None means "not set"; the help
-    # text and the default it names come from the config field (tests/test_config.py checks each).
-    loss_scale_mode: str | None = _setting("mode")
-    loss_scale_init: float | None = _setting("init_scale")
-    loss_scale_growth_factor: float | None = _setting("growth_factor")
-    loss_scale_backoff_factor: float | None = _setting("backoff_factor")
-    loss_scale_growth_interval: int | None = _setting("growth_interval")
-    loss_scale_min: float | None = _setting("min_scale")
-    loss_scale_max: float | None = _setting("max_scale")
-    loss_scale_hysteresis: int | None = _setting("hysteresis")
-    loss_scale_consecutive_hysteresis: bool | None = _setting("consecutive_hysteresis")
-    loss_scale_max_consecutive_skips: int | None = _setting("max_consecutive_skips", "; 0 disables the check")
-    loss_scale_fp16_on_cpu: str | None = _setting("fp16_on_cpu")
-    loss_scale_telemetry_interval: int | None = _setting(
-        "telemetry_interval", "; logged as grad_zero_frac, grad_subnormal_frac, headroom_bits"
-    )
-    loss_scale_backoff_on_nonfinite_loss: bool | None = _setting("backoff_on_nonfinite_loss")
-    loss_scale_fp32_modules: str | None = _setting("fp32_modules")
-    loss_scale_max_auto_fp32_modules: int | None = _setting("max_auto_fp32_modules")
-    loss_scale_at_min_scale: str | None = _setting("at_min_scale")
-    loss_scale_floor_event_steps: int | None = _setting("floor_event_steps")
-    loss_scale_master_weights: str | None = _setting(
-        "master_weights", "; auto, true, false, kahan or stochastic_rounding"
-    )
-    loss_scale_preflight: bool = field(
-        default=False,
-        metadata={
-            "help": "Before the first step, run `hf-lossscale preflight` on the first batch (FP32 passes): "
-            "warn with the table of modules that would overflow in FP16 or come within 2 bits of it."
-        },
-    )
-    loss_scale_activation_probe: bool = field(
-        default=False,
-        metadata={
-            "help": "Also histogram the activation gradients at module boundaries (sampled) on telemetry "
-            "steps, where FP16 underflow happens; logged as act_grad_lost_frac."
-        },
-    )
-    loss_scale_fresh_on_resume: bool = field(
-        default=False,
-        metadata={"help": "On resume, start a fresh scaler when the checkpoint has no usable scaler state."},
-    )
-    loss_scale_measure_flushed: bool = field(
-        default=False,
-        metadata={
-            "help": "Measure the fraction of gradient elements that FP16 flushes to zero (against an FP32 "
-            "pass on the first training batch) at the start and the end of training, at the scale in force."
-        },
-    )
-    loss_scale_fix_accumulated_loss: bool = field(
-        default=True,
-        metadata={
-            "help": "Under gradient accumulation, divide each micro-batch's loss by the accumulation steps for a "
-            "model whose forward takes **kwargs but ignores num_items_in_batch (otherwise the Trainer sums "
-            "the micro-batch means: gradients x N). False keeps the Trainer's own behaviour."
-        },
-    )
-    loss_scale_event_log: bool = field(
-        default=True,
-        metadata={
-            "help": f"Write the JSONL event log `{EVENT_LOG_NAME}` (scale, skips, logs) to output_dir."
-        },
-    )
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        flags = {name: f"--{arg}" for arg, name in ARG_TO_FIELD.items()}
-        resolve_config(None, self.loss_scale_overrides(), override_source=flags)  # validate now
-        set_args = [name for name in ARG_TO_FIELD if getattr(self, name) is not None]
-        if set_args and not self.fp16_effective:
-            warnings.warn(
-                f"{set_args} are set but FP16 is off (fp16=False and ACCELERATE_MIXED_PRECISION is not "
-                "'fp16'): they have no effect.",
-                stacklevel=2,
-            )
-
-    @property
-    def fp16_effective(self) -> bool:
-        """FP16 as the Trainer's Accelerator will see it (`ACCELERATE_MIXED_PRECISION` can set it)."""
-        return bool(self.fp16) or os.environ.get("ACCELERATE_MIXED_PRECISION", "no") == "fp16"
-
-    def loss_scale_overrides(self) -> dict[str, Any]:
-        """The `LossScaleConfig` fields the user set, by config field name."""
-        out = {
-            name: getattr(self, arg) for arg, name in ARG_TO_FIELD.items() if getattr(self, arg) is not None
-        }
-        if out.get("max_consecutive_skips") == 0:
-            out["max_consecutive_skips"] = None  # 0 on the command line disables the collapse check
-        return out
 
 
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
@@ -272,29 +126,6 @@ def _refuse_setting_keywords(kwargs: dict[str, Any], args_given: Any) -> None:
         + (" (these args are plain `TrainingArguments`)" if plain else "")
         + f". Either pass `args=LossScaleTrainingArguments(..., {fields})`, or keep your "
         f"TrainingArguments and pass `loss_scale_config=LossScaleConfig({config})`."
-    )
-
-
-#: What `DynamicLossScaler.load_state_dict` warns about the config (the resume's one line replaces it).
-_LOAD_CONFIG_WARNINGS = (
-    "Restored from the loss-scaler state",
-    "Loaded loss-scaler state was written with a different config",
-    "GradScaler state has",
-)
-
-
-def _config_differences(state: dict[str, Any], current: LossScaleConfig) -> str:
-    """`field now (checkpoint was)` for each setting of `current` that differs from the checkpoint's
-    (our state's `config`, or the fields a torch GradScaler state carries); "" when none does."""
-    saved = state.get("config")
-    if not isinstance(saved, dict):
-        saved = {k: state[k] for k in ("growth_factor", "backoff_factor", "growth_interval") if k in state}
-    now = current.to_dict()
-    now.pop("init_scale")  # a resumed scaler starts from the checkpoint's scale, whatever the setting
-    return ", ".join(
-        f"{k} {_shown(now[k])} (checkpoint {_shown(v)})"
-        for k, v in sorted(saved.items())
-        if k in now and now[k] != v
     )
 
 
@@ -414,7 +245,7 @@ class LossScaleMixin:
         optimizer = super().create_optimizer(*args, **kwargs)
         scaler = self.loss_scaler
         if scaler is not None and scaler.config.master_weights is not False:
-            inner = getattr(optimizer, "optimizer", optimizer)
+            inner = inner_optimizer(optimizer)
             if scaler.master_weights.half_trainable(inner):
                 n = scaler.master_weights.attach(inner)
                 logger.info("hf_lossscale: %d FP16 parameter tensors step on FP32 master weights (%.1f MB).",
@@ -463,7 +294,7 @@ class LossScaleMixin:
         logs["nonfinite_loss_steps"] = stats["nonfinite_loss_steps"]
         logs["overflow_rate"] = skipped / steps if steps > 0 else 0.0
         # 1.0 when FP16 was emulated on the CPU: such figures are not GPU measurements.
-        logs["fp16_emulated"] = float(getattr(self.accelerator, "hf_lossscale_fp16", "") == "emulated")
+        logs["fp16_emulated"] = float(fp16_kind(self.accelerator) == "emulated")
         if "loss" in logs:
             # Steps whose loss was non-finite, in the window this loss averages.
             logs["loss_nonfinite_in_window"] = nonfinite
@@ -515,6 +346,10 @@ class LossScaleMixin:
         return self._loss_scale_fresh or bool(getattr(self.args, "loss_scale_fresh_on_resume", False))
 
     def _load_scaler(self, checkpoint: str | None) -> None:
+        """transformers' `_load_scaler` (its `check_torch_load_is_safe`, its XLA path), under the
+        resume rule: every setting from this run, the scale, trackers and counters from the
+        checkpoint, one line for what differs; a checkpoint without a usable scaler state stops the
+        run (unless `loss_scale_fresh_on_resume`) instead of silently resetting the scale."""
         scaler = self.loss_scaler
         if checkpoint is None or scaler is None or not scaler.is_enabled():
             return super()._load_scaler(checkpoint)
@@ -524,34 +359,24 @@ class LossScaleMixin:
                 f"Checkpoint {checkpoint} holds no loss-scaler state ({SCALER_NAME} is missing) but "
                 "loss scaling is on; resuming would silently reset the scale."
             )
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as err:  # truncated, corrupted, not a torch file
-            reason = str(err).strip() or f"{type(err).__name__} (the file is {os.path.getsize(path)} bytes)"
-            return self._no_scaler_state(f"Cannot read the loss-scaler state {path}: {reason}.")
         current = scaler.config  # what the user passes now: it wins over the checkpoint's config
         try:
             with warnings.catch_warnings():
-                # load_state_dict's own config warnings (torch's fields restored; fields that differ):
-                # the one line below replaces them
-                for message in _LOAD_CONFIG_WARNINGS:
+                # load_state_dict's own config warnings: the one line below replaces them
+                for message in LOAD_CONFIG_WARNINGS:
                     warnings.filterwarnings("ignore", message=message)
-                scaler.load_state_dict(state)
-        except ValueError as err:
+                super()._load_scaler(checkpoint)
+        except ValueError as err:  # the state read, but malformed (load_state_dict names the keys)
             return self._no_scaler_state(f"Invalid loss-scaler state in {path}: {err}")
-        # `load_state_dict` restores growth_factor, backoff_factor and growth_interval from the state,
-        # as torch's GradScaler does; a resumed run takes every field from this run's settings.
-        for name, setter in (("growth_factor", scaler.set_growth_factor),
-                             ("backoff_factor", scaler.set_backoff_factor),
-                             ("growth_interval", scaler.set_growth_interval)):  # fmt: skip
-            if getattr(scaler.config, name) != getattr(current, name):
-                setter(getattr(current, name))
-        differs = _config_differences(state, current)
-        if differs:
-            logger.warning(
-                "hf_lossscale: resumed the loss scaler from %s: scale, trackers and counters from the checkpoint, "
-                "every setting from this run; differing from the checkpoint: %s.", path, differs,
-            )  # fmt: skip
+        except Exception as err:  # truncated, corrupted, not a torch file
+            reason = str(err).strip() or f"{type(err).__name__} (the file is {os.path.getsize(path)} bytes)"
+            return self._no_scaler_state(f"Cannot read the loss-scaler state {path}: {reason}.")
+        restore_settings(scaler, current)
+        # the checkpoint's settings, for the one line (a small file; transformers' load read it already)
+        saved = torch.load(path, map_location="cpu", weights_only=True)
+        line = resume_line(saved, current, path, scale=scaler.state.host["scale"])
+        if line:
+            logger.warning(line)
         if scaler.state.fp32_modules:  # what "auto" moved to FP32 before the checkpoint stays there
             run_in_fp32(
                 self.accelerator.unwrap_model(self.model), scaler.state.fp32_modules, include_model_own=False
