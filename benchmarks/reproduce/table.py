@@ -77,7 +77,7 @@ def verdicts(result: dict) -> list[dict]:
     if not any(r["setting"] == "fp32" for r in runs):
         return []
     out = []
-    for setting in ("dynamic", "static", "off", "bf16", "master", "pure"):
+    for setting in ("dynamic", "static", "off", "bf16", "master", "kahan", "stochastic", "pure"):
         if not any(r["setting"] == setting for r in runs):
             continue
         found = verdict.curve_finding(runs, setting, metric)
@@ -230,10 +230,14 @@ def render_masters(folder: Path) -> str:
     """The benchmarks that ran FP16 weights (with FP32 masters, and without): FP32, autocast FP16 with
     dynamic scaling, FP16 weights + masters, FP16 weights alone, per seed, with where they ran."""
     files = sorted(Path(folder).glob("*.json"), key=lambda p: (p.stem != "sst2", p.stem))
-    results = [r for r in map(load, files) if any(x["setting"] in ("master", "pure") for x in r["runs"])]
+    results = [
+        r
+        for r in map(load, files)
+        if any(x["setting"] in ("master", "kahan", "stochastic", "pure") for x in r["runs"])
+    ]
     settings = [
         s
-        for s in ("fp32", "dynamic", "master", "pure")
+        for s in ("fp32", "dynamic", "master", "kahan", "stochastic", "pure")
         if any(x["setting"] == s for r in results for x in r["runs"])
     ]
     where = sorted({r["machine"] for r in results})

@@ -132,8 +132,11 @@ class GradientInMaster(torch.Tensor):
 def _zero_master_grad(marker: GradientInMaster) -> None:
     pair = marker.__dict__.get("_hf_pair")
     pair = pair() if pair is not None else None
-    if pair is not None and pair.marker_is(marker) and pair.master.grad is not None:
-        pair.master.grad.zero_()
+    if pair is not None and pair.marker_is(marker):
+        if pair.master.grad is not None:
+            pair.master.grad.zero_()
+        if pair.pending is not None:
+            pair.pending.zero_()
 
 
 @dataclass(eq=False)
@@ -154,8 +157,30 @@ class _Pair:
     compensation: torch.Tensor | None = None
     shell: bool = False
     stash: torch.Tensor | None = field(default=None, repr=False)  # the gradient, during the chunked step
+    # the FP16 gradient itself, read but not cast (`gather(defer=True)`): the chunked step casts it a
+    # chunk at a time, times `factor` (the unscale, and clip, multiplier; None: still scaled)
+    pending: torch.Tensor | None = field(default=None, repr=False)
+    factor: torch.Tensor | None = field(default=None, repr=False)
     written: bool = False  # the chunked step wrote the FP16 weight
     _marker: weakref.ref | None = field(default=None, repr=False)
+
+    def fp32_grad(self) -> torch.Tensor | None:
+        """The gradient as the optimizer steps on it (FP32), without moving anything."""
+        if self.pending is None:
+            return self.master.grad
+        grad = self.pending.float()
+        return grad if self.factor is None else grad.mul_(self.factor)
+
+    def materialise(self) -> None:
+        """A pending FP16 gradient cast into the master's `.grad` (someone reads it whole)."""
+        if self.pending is not None:
+            with torch.no_grad():
+                self.master.grad = self.fp32_grad()
+            self.pending = self.factor = None
+
+    def drop(self) -> None:
+        self.master.grad = None
+        self.pending = self.factor = None
 
     def marker_is(self, tensor: Any) -> bool:
         return tensor is not None and self._marker is not None and self._marker() is tensor
@@ -183,7 +208,7 @@ def _marker_died(pair_ref: weakref.ref, ref: weakref.ref) -> None:
     pair = pair_ref()
     if pair is not None and ref is pair._marker and not pair.on_top:
         pair._marker = None
-        pair.master.grad = None
+        pair.drop()
 
 
 class OptimizerMasters:
@@ -331,10 +356,13 @@ class OptimizerMasters:
         return pair
 
     # ------------------------------------------------------------------ each step
-    def gather(self) -> None:
+    def gather(self, optimizer: torch.optim.Optimizer | None = None, defer: bool = False) -> None:
         """Move this iteration's FP16 gradients into the masters (one read each; see the module docstring),
-        and bring the masters in line with weights written from outside."""
+        and bring the masters in line with weights written from outside. `defer` (with the optimizer):
+        where the update runs chunk by chunk, the FP16 gradients are taken as they are (`pending`), to be
+        cast a chunk at a time inside the step: no FP32 gradient for every parameter at once."""
         self._refresh_masters()
+        deferred = self._chunked_masters(optimizer) if defer and optimizer is not None else set()
         fresh_src, fresh_dst, fresh_pairs = [], [], []
         fresh = 0
 
@@ -354,11 +382,13 @@ class OptimizerMasters:
         for pair in self.pairs.values():
             grad = pair.half.grad
             if grad is None:
-                pair.master.grad = None
+                pair.drop()
                 pair.on_top = False
             elif isinstance(grad, GradientInMaster):
                 if not pair.marker_is(grad):  # another optimizer's master holds it: none here
-                    pair.master.grad = None
+                    pair.drop()
+                elif id(pair.master) not in deferred:
+                    pair.materialise()
                 continue
             elif grad.is_sparse:  # a sparse embedding's: cast as it is (FP32 sparse)
                 pair.master.grad = grad.coalesce().float() if pair.master.grad is None or not pair.on_top else (
@@ -368,6 +398,11 @@ class OptimizerMasters:
             elif pair.on_top and pair.master.grad is not None:
                 with torch.no_grad():
                     pair.master.grad.add_(grad)
+                pair.on_top = False
+                pair.leave_marker()
+            elif id(pair.master) in deferred:
+                pair.master.grad = None
+                pair.pending, pair.factor = grad, None
                 pair.on_top = False
                 pair.leave_marker()
             else:
@@ -381,6 +416,25 @@ class OptimizerMasters:
             del grad
         if fresh_pairs:
             hand_over()
+
+    def _chunked_masters(self, optimizer: torch.optim.Optimizer) -> set[int]:
+        """The masters whose update runs chunk by chunk (their groups' options allow it)."""
+        return {id(p) for g in optimizer.param_groups if chunkable(optimizer, g) is None for p in g["params"]}
+
+    def pending(self) -> list[torch.Tensor]:
+        """The FP16 gradients read but not cast (scaled, or as `set_factor` left them)."""
+        return [p.pending for p in self.pairs.values() if p.pending is not None]
+
+    def set_factor(self, factor: torch.Tensor) -> None:
+        """The multiplier (the scale's reciprocal, times a clip coefficient) the pending gradients take
+        when they are cast."""
+        for pair in self.pairs.values():
+            if pair.pending is not None:
+                pair.factor = factor if pair.factor is None else pair.factor * factor
+
+    def materialise(self) -> None:
+        for pair in self.pairs.values():
+            pair.materialise()
 
     def take_loaded(self, final: bool) -> None:
         """Masters loaded from a state that round to their FP16 weights replace the masters; the others
@@ -463,7 +517,9 @@ class OptimizerMasters:
             taken = []
             for param in group["params"]:
                 pair = self.by_master.get(id(param))
-                if pair is None or pair.master is not param or param.grad is None or param.grad.is_sparse:
+                if pair is None or pair.master is not param:
+                    continue
+                if pair.pending is None and (param.grad is None or param.grad.is_sparse):
                     continue
                 pair.stash, param.grad = param.grad, None
                 taken.append(pair)
@@ -500,7 +556,10 @@ class OptimizerMasters:
                     pair.master.grad, pair.stash = pair.stash, None
 
     def _slot(self, pair: _Pair, found_inf: torch.Tensor | None) -> Slot:
-        grad, half, comp = pair.stash, pair.half, pair.compensation
+        half, comp = pair.half, pair.compensation
+        grad = pair.stash if pair.pending is None else pair.pending
+        factor = pair.factor if pair.pending is not None else None
+        cast = pair.pending is not None
         flat = grad.is_contiguous() and half.is_contiguous() and (pair.shell or pair.master.is_contiguous())
 
         def part(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
@@ -548,7 +607,7 @@ class OptimizerMasters:
             key=pair.master,
             numel=half.numel(),
             flat=flat,
-            grad_of=lambda a, b: part(grad, a, b),
+            grad_of=lambda a, b: _cast(part(grad, a, b), factor) if cast else part(grad, a, b),
             load=load,
             store=store,
         )
@@ -566,6 +625,13 @@ def _extra_bytes(pair: _Pair) -> int:
     if pair.compensation is not None:
         return pair.compensation.numel() * pair.compensation.element_size()
     return 0 if pair.shell else pair.master.numel() * pair.master.element_size()
+
+
+def _cast(grad: torch.Tensor, factor: torch.Tensor | None) -> torch.Tensor:
+    """A chunk of a pending FP16 gradient in FP32, times its factor: the values the gradient would hold
+    cast into the master and unscaled there (the same two roundings)."""
+    out = grad.float()
+    return out if factor is None else out.mul_(factor)
 
 
 def _agrees(pair: _Pair, loaded: torch.Tensor) -> torch.Tensor:
@@ -622,7 +688,7 @@ def _zero_grad(original: Callable, opt_ref: weakref.ref, ref: weakref.ref, set_t
                 grad.zero_()
         elif pair.marker_is(grad) or not set_to_none:
             pair.on_top = False
-            pair.master.grad = None
+            pair.drop()
             pair._marker = None
             # a zero gradient stays a zero gradient (FP16 zeros: read into the master at the next step)
             pair.half.grad = None if set_to_none else torch.zeros_like(pair.half)
@@ -652,6 +718,7 @@ def _fold_on_top(pair_ref: weakref.ref, half: torch.Tensor) -> None:
     pair = pair_ref()
     if pair is None or not pair.on_top or half.grad is None or isinstance(half.grad, GradientInMaster):
         return
+    pair.materialise()  # a pending gradient, cast: the new one adds onto it
     with torch.no_grad():
         if pair.master.grad is None:
             pair.master.grad = half.grad.float()
@@ -805,8 +872,9 @@ class MasterWeights:
         found = masters_of(optimizer)
         return found is not None and bool(found.pairs)
 
-    def prepare(self, optimizer: torch.optim.Optimizer) -> None:
-        """Masters for any new trainable FP16 parameter, then this iteration's FP16 gradients read into them."""
+    def prepare(self, optimizer: torch.optim.Optimizer, defer: bool = False) -> None:
+        """Masters for any new trainable FP16 parameter, then this iteration's FP16 gradients read into them
+        (`defer`: taken as they are where the step casts them chunk by chunk; see `OptimizerMasters.gather`)."""
         inner = _inner(optimizer)
         found = masters_of(inner)
         if found is None:
@@ -815,7 +883,24 @@ class MasterWeights:
             found = masters_of(inner, create=True, mode=self.mode)
             self._seen.add(inner)
         found.sync_params(inner, self._names)
-        found.gather()
+        found.gather(inner, defer)
+
+    def pending(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """The optimizer's FP16 gradients read but not yet cast (`prepare(defer=True)`)."""
+        found = masters_of(optimizer)
+        return found.pending() if found is not None else []
+
+    def set_factor(self, optimizer: torch.optim.Optimizer, factor: torch.Tensor) -> None:
+        """The multiplier the pending gradients take when the step casts them (unscale, clip)."""
+        found = masters_of(optimizer)
+        if found is not None:
+            found.set_factor(factor)
+
+    def materialise(self, optimizer: torch.optim.Optimizer) -> None:
+        """Pending gradients cast into the masters' `.grad` (for a reader of them all)."""
+        found = masters_of(optimizer)
+        if found is not None:
+            found.materialise()
 
     @staticmethod
     def _may_need_masters(optimizer: torch.optim.Optimizer) -> bool:
@@ -862,15 +947,15 @@ class MasterWeights:
             pair = found.pairs.get(id(param)) or found.by_master.get(id(param))
         if pair is None or (pair.half is not param and pair.master is not param):
             return param.grad
-        pending = pair.half.grad
-        if pending is None or isinstance(pending, GradientInMaster):
+        collected = pair.half.grad
+        if collected is None or isinstance(collected, GradientInMaster):
             return (
-                pair.master.grad
-                if pair.marker_is(pending) or pending is None and pair.master.grad is None
+                pair.fp32_grad()
+                if pair.marker_is(collected) or collected is None and pair.master.grad is None
                 else None
             )
-        base = pair.master.grad if pair.on_top else None
-        return pending.float() if base is None else base + pending.float()
+        base = pair.fp32_grad() if pair.on_top else None
+        return collected.float() if base is None else base + collected.float()
 
     def bytes(self, optimizer: torch.optim.Optimizer | None = None) -> int:
         """What holding the weights costs beyond the FP16 weights themselves: 4 bytes per trainable FP16
@@ -898,7 +983,7 @@ def gradient_of(param: torch.Tensor) -> torch.Tensor | None:
     if isinstance(grad, GradientInMaster):
         pair = grad.__dict__.get("_hf_pair")
         pair = pair() if pair is not None else None
-        return pair.master.grad if pair is not None and pair.marker_is(grad) else None
+        return pair.fp32_grad() if pair is not None and pair.marker_is(grad) else None
     return grad
 
 

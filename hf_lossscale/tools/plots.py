@@ -29,6 +29,8 @@ def write_plots(results: list[RunResult], opts: argparse.Namespace, out: Path) -
         "off": "tab:orange",
         "bf16": "tab:green",
         "master": "tab:purple",
+        "kahan": "tab:pink",
+        "stochastic": "tab:olive",
         "pure": "tab:brown",
     }
 

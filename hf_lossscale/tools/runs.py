@@ -16,8 +16,12 @@ SETTINGS: dict[str, str] = {
     "off": "FP16, scaling off",
     "bf16": "BF16 (no scaler)",
     "master": "FP16 weights + FP32 masters",
+    "kahan": "FP16 weights + Kahan compensation",
+    "stochastic": "FP16 weights + stochastic rounding",
     "pure": "FP16 weights, no masters",
 }
+#: The settings that hold the model in FP16 with dynamic scaling: how the optimizer updates the weights.
+MASTER_MODES = {"master": "true", "kahan": "kahan", "stochastic": "stochastic_rounding"}
 #: Each run's record (command, exit status, wall time, its inputs: the `HF_LOSSSCALE_*` environment and
 #: a digest of each file it names; the config it resolved), written when it ends; `--reuse_finished` reads it.
 RUN_RECORD = "run.json"
@@ -54,9 +58,11 @@ def setting_flags(
         return ["--bf16"] if _cuda_available() else ["--bf16", "--use_cpu", "true"]
     if setting == "pure":  # what users try when they force FP16 weights: the optimizer steps them in FP16
         return ["--dtype", "float16"]
-    if setting == "master":  # the model held in FP16, the optimizer on FP32 masters; dynamic scaling
+    if (
+        setting in MASTER_MODES
+    ):  # the model held in FP16, the optimizer on FP32 masters (or below); dynamic scaling
         flags = ["--fp16", "--loss_scale_mode", "dynamic", "--loss_scale_fp16_on_cpu", fp16_on_cpu, "--dtype", "float16",
-                 "--loss_scale_master_weights", "true"]  # fmt: skip
+                 "--loss_scale_master_weights", MASTER_MODES[setting]]  # fmt: skip
         if dynamic_init_scale is not None:
             flags += ["--loss_scale_init", repr(float(dynamic_init_scale))]
             flags += ["--loss_scale_max", repr(max(float(dynamic_init_scale), 2.0**24))]

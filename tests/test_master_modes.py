@@ -1,0 +1,260 @@
+"""The chunked update (`core/master_step.py`) and the ways of holding FP16 weights below the FP32
+masters' memory: `master_weights="kahan"` and `"stochastic_rounding"` (issue 49)."""
+
+from __future__ import annotations
+
+import io
+import warnings
+
+import pytest
+import torch
+
+from hf_lossscale import DynamicLossScaler, LossScaleConfig
+from hf_lossscale.core.master_step import ALIGN, Slot, round_stochastic, run_chunked
+
+SHAPES = [(300, 7), (1000,), (5,), (77, 13), (1,)]
+
+
+def _optimizers():
+    out = []
+    for foreach, fused in ((False, None), (True, None), (None, True)):
+        for amsgrad in (False, True):
+            out.append(
+                (torch.optim.AdamW, {"lr": 0.1, "weight_decay": 0.1, "amsgrad": amsgrad}, foreach, fused)
+            )
+            out.append(
+                (torch.optim.Adam, {"lr": 0.1, "weight_decay": 0.1, "amsgrad": amsgrad}, foreach, fused)
+            )
+        for momentum, nesterov, dampening in ((0.0, False, 0.0), (0.9, True, 0.0), (0.9, False, 0.1)):
+            kw = {
+                "lr": 0.1,
+                "momentum": momentum,
+                "nesterov": nesterov,
+                "dampening": dampening,
+                "weight_decay": 0.01,
+            }
+            out.append((torch.optim.SGD, kw, foreach, fused))
+    return out
+
+
+@pytest.mark.parametrize("bucket", [1, 100, 333, 1 << 21])
+@pytest.mark.parametrize(("cls", "kw", "foreach", "fused"), _optimizers())
+def test_the_chunked_update_is_torchs_bitwise(cls, kw, foreach, fused, bucket):
+    """Catches: a tensor cut mid-vector (the CPU kernels' scalar tail rounds differently), a step counter
+    moved once per chunk instead of once per parameter, SGD's first momentum buffer lost between chunks,
+    the fused kernel's `grad_scale` not passed."""
+    torch.manual_seed(0)
+    values = [torch.randn(s) for s in SHAPES]
+    ref = [torch.nn.Parameter(v.clone()) for v in values]
+    sub = [torch.nn.Parameter(v.clone()) for v in values]
+    o_ref = cls(ref, foreach=foreach, fused=fused, **kw)
+    o_sub = cls(sub, foreach=foreach, fused=fused, **kw)
+    scale = torch.tensor(8.0) if fused else None
+    for _ in range(3):
+        grads = [torch.randn(s) * (8.0 if fused else 1.0) for s in SHAPES]
+        for p, g in zip(ref, grads, strict=True):
+            p.grad = g.clone()
+        if fused:
+            o_ref.grad_scale, o_ref.found_inf = scale, torch.tensor(0.0)
+        o_ref.step()
+        slots = [
+            Slot(
+                key=p,
+                numel=p.numel(),
+                flat=True,
+                grad_of=lambda a, b, g=g: g.view(-1)[a:b],
+                load=lambda a, b, p=p: p.data.view(-1)[a:b],
+                store=lambda a, b, v: None,
+            )
+            for p, g in zip(sub, grads, strict=True)
+        ]
+        run_chunked(o_sub, o_sub.param_groups[0], slots, scale, torch.tensor(0.0) if fused else None, bucket)
+    for a, b in zip(ref, sub, strict=True):
+        assert torch.equal(a, b)
+    s_ref, s_sub = o_ref.state_dict()["state"], o_sub.state_dict()["state"]
+    assert s_ref.keys() == s_sub.keys()
+    for i in s_ref:
+        assert s_ref[i].keys() == s_sub[i].keys()
+        for key in s_ref[i]:
+            assert torch.equal(s_ref[i][key], s_sub[i][key]), key
+    assert ALIGN % 16 == 0  # the widest CPU vector of floats (AVX-512) divides the cut
+
+
+def _model(seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+
+
+def _train(model, opt, scaler, steps, x, y, poison_at=None):
+    for t in range(steps):
+        loss = ((model(x.to(next(model.parameters()).dtype)).float() - y) ** 2).mean()
+        if t == poison_at:
+            loss = loss * float("inf")
+        scaler.scale(loss).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    return loss
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 16, generator=g)
+    return x, x[:, :1] * 0.5
+
+
+@pytest.mark.parametrize("mode", ["kahan", "stochastic_rounding"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_mode_trains_near_the_fp32_masters_and_costs_its_bytes(mode, fused):
+    """Catches: the compensation never read back (kahan drifts like plain FP16), the stochastic rounding
+    biased, the bytes miscounted."""
+    x, y = _data()
+    runs = {}
+    for m in ("masters", mode):
+        model = _model().half()
+        scaler = DynamicLossScaler(config=LossScaleConfig(master_weights=True if m == "masters" else m))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused or None)
+        start = _train(model, opt, scaler, 1, x, y).item()
+        end = _train(model, opt, scaler, 60, x, y).item()
+        runs[m] = (start, end, scaler.master_weights.bytes(), model)
+    n = sum(p.numel() for p in runs["masters"][3].parameters())
+    assert runs["masters"][2] == 4 * n
+    assert runs[mode][2] == (2 * n if mode == "kahan" else 0)
+    start, end = runs[mode][0], runs[mode][1]
+    assert end < 0.5 * start  # it trains
+    assert abs(end - runs["masters"][1]) < 0.1 * runs["masters"][1]
+
+
+def test_kahan_keeps_updates_below_half_an_ulp():
+    """An update of a quarter ulp each step: lost entirely by FP16 round-to-nearest, kept by the
+    compensation buffer (catches a buffer that is written but not added back in)."""
+    for mode, expect_move in (("kahan", True),):
+        w = torch.nn.Parameter(torch.ones(256, dtype=torch.float16))
+        opt = torch.optim.SGD([w], lr=1.0)
+        scaler = DynamicLossScaler(config=LossScaleConfig(master_weights=mode, init_scale=1.0, mode="static"))
+        quarter = 2.0**-10 / 4  # FP16's ulp at 1.0 is 2^-10
+        for _ in range(8):
+            scaler.scale(w.float().sum() * quarter).backward()  # d/dw = quarter (scale 1)
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        # 8 quarter-ulp steps down: 2 ulps below 1 (the spacing below 1.0 is 2^-11: 4 steps of it)
+        assert expect_move
+        assert torch.all(w.float() < 1.0)
+        assert torch.allclose(w.float(), torch.full((256,), 1.0 - 8 * quarter), atol=2.0**-12)
+
+
+def test_stochastic_rounding_is_unbiased_and_seeded():
+    """Catches: the probability of the far neighbour inverted (biased toward it), a draw from the
+    global generator (not reproducible by the generator passed)."""
+    x = torch.full((200_000,), 1.0 + 2.0**-10 * 0.3)  # 0.3 of the way from 1.0 to the next FP16
+    g = torch.Generator().manual_seed(0)
+    r = round_stochastic(x, g)
+    assert set(r.float().unique().tolist()) == {1.0, 1.0 + 2.0**-10}
+    share = (r.float() > 1.0).double().mean().item()
+    assert abs(share - 0.3) < 0.005  # 5 sigma at n = 2e5 is 0.005
+    again = round_stochastic(x, torch.Generator().manual_seed(0))
+    assert torch.equal(r, again)
+    assert not torch.equal(r, round_stochastic(x, torch.Generator().manual_seed(1)))
+    exact = torch.tensor([1.0, -2.5, 0.0, 65504.0, 1e6, float("nan")])
+    out = round_stochastic(exact, g).float()
+    assert torch.equal(out[:4], exact[:4]) and out[4] == float("inf") and out[5].isnan()
+
+
+def _checkpoint(model, opt, scaler) -> bytes:
+    buf = io.BytesIO()
+    torch.save({"m": model.state_dict(), "o": opt.state_dict(), "s": scaler.state_dict()}, buf)
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("mode", ["kahan", "stochastic_rounding"])
+def test_a_resume_is_bitwise(mode):
+    """The compensation / the generator's state travel in the optimizer's state: 10 steps, save, 10 more,
+    against a fresh process's worth of objects loading the save (catches state left out of the
+    checkpoint, a generator reseeded at load)."""
+    x, y = _data()
+    model = _model().half()
+    scaler = DynamicLossScaler(config=LossScaleConfig(master_weights=mode))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _train(model, opt, scaler, 10, x, y)
+    blob = _checkpoint(model, opt, scaler)
+    _train(model, opt, scaler, 10, x, y)
+
+    torch.manual_seed(123)  # another process's seed: what continues must come from the checkpoint
+    model2 = _model(seed=7).half()
+    scaler2 = DynamicLossScaler(config=LossScaleConfig(master_weights=mode))
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
+    ck = torch.load(io.BytesIO(blob))
+    model2.load_state_dict(ck["m"])
+    scaler2.master_weights.attach(opt2)
+    opt2.load_state_dict(ck["o"])
+    scaler2.load_state_dict(ck["s"])
+    _train(model2, opt2, scaler2, 10, x, y)
+    for a, b in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["kahan", "stochastic_rounding"])
+@pytest.mark.parametrize("fused", [False, True])
+def test_a_skipped_step_leaves_the_weights_and_the_buffer_as_they_were(mode, fused):
+    """A step whose gradients overflow (skipped on the host, or inside the fused kernel on the device)
+    changes nothing: catches a store that rounds again (a tie flips) or draws a new rounding."""
+    x, y = _data()
+    model = _model().half()
+    scaler = DynamicLossScaler(config=LossScaleConfig(master_weights=mode))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused or None)
+    _train(model, opt, scaler, 5, x, y)
+    before = [p.detach().clone() for p in model.parameters()]
+    comps = [
+        p.compensation.clone() for p in opt._hf_lossscale_masters.pairs.values() if p.compensation is not None
+    ]
+    _train(model, opt, scaler, 1, x, y, poison_at=0)
+    assert scaler.stats()["skipped_steps"] == 1
+    for a, b in zip(before, model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    now = [p.compensation for p in opt._hf_lossscale_masters.pairs.values() if p.compensation is not None]
+    assert all(torch.equal(a, b) for a, b in zip(comps, now, strict=True))
+
+
+def test_a_mode_refuses_an_optimizer_it_cannot_update():
+    model = _model().half()
+    scaler = DynamicLossScaler(config=LossScaleConfig(master_weights="kahan"))
+    opt = torch.optim.RMSprop(model.parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match="RMSprop.*master_weights=True"):
+        scaler.master_weights.attach(opt)
+    # FP32 masters still take any optimizer (torch's own algorithm steps them)
+    model = _model().half()
+    scaler = DynamicLossScaler(config=LossScaleConfig(master_weights=True))
+    opt = torch.optim.RMSprop(model.parameters(), lr=1e-3)
+    x, y = _data()
+    _train(model, opt, scaler, 3, x, y)
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_state_of_another_mode_is_dropped_with_a_warning():
+    """Masters saved, loaded by a Kahan optimizer: the weights stand, the compensation starts at zero,
+    and the user is told (catches an FP32 master read as a compensation)."""
+    x, y = _data()
+    model = _model().half()
+    scaler = DynamicLossScaler(config=LossScaleConfig(master_weights=True))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _train(model, opt, scaler, 3, x, y)
+    state = opt.state_dict()
+    scaler2 = DynamicLossScaler(config=LossScaleConfig(master_weights="kahan"))
+    opt2 = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    scaler2.master_weights.attach(opt2)
+    opt2.load_state_dict(state)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _train(model, opt2, scaler2, 1, x, y)
+    comps = [p.compensation for p in opt2._hf_lossscale_masters.pairs.values()]
+    assert comps and all(c is not None for c in comps)
+
+
+def test_the_environment_takes_the_modes():
+    from hf_lossscale.core.config import config_from_env
+
+    env = {"HF_LOSSSCALE_MASTER_WEIGHTS": "stochastic_rounding"}
+    assert LossScaleConfig(**config_from_env(env)).master_weights == "stochastic_rounding"
+    with pytest.raises(ValueError, match="master_weights='kahn'"):
+        LossScaleConfig(master_weights="kahn")
