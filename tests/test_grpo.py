@@ -638,3 +638,23 @@ def test_the_sampler_keeps_trls_fp32_lm_head_under_autocast(tmp_path):
     assert head.forward is trl_forward
     with torch.autocast("cpu", dtype=torch.bfloat16):  # what the sampler would get without the guard
         assert head(torch.randn(2, head.in_features)).dtype == torch.bfloat16
+
+
+def test_the_sampler_computes_fp16_as_the_trainer_does_on_the_cpu(tmp_path):
+    """`KVCacheSampler("fp16")` on a CPU takes the trainer's own FP16 compute (the context
+    `install_loss_scaler` set up): the emulation by default, real CPU autocast with
+    `loss_scale_fp16_on_cpu="native"`. Bug caught: the sampler emulating while the trainer ran
+    native CPU FP16 (or the reverse), so that mismatch/ measured the two FP16s apart; it happened
+    when the install's context moved to `accelerator.hf_lossscale` and the sampler still looked for
+    the old private attribute."""
+    from hf_lossscale.fp16.emulation import fp16_emulation
+    from hf_lossscale.integrations.grpo import KVCacheSampler
+
+    emulated, _ = grpo(tmp_path / "emulated", steps=1)
+    native, _ = grpo(tmp_path / "native", steps=1, loss_scale_fp16_on_cpu="native")
+    assert type(KVCacheSampler("fp16").context(emulated)) is type(fp16_emulation("cuda"))
+    context = KVCacheSampler("fp16").context(native)
+    assert isinstance(context, torch.autocast) and (context.device, context.fast_dtype) == (
+        "cpu",
+        torch.float16,
+    )

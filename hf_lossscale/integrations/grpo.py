@@ -46,7 +46,7 @@ from trl import GRPOTrainer
 from trl.trainer.callbacks import SyncRefModelCallback
 
 from ..fp16.emulation import fp16_emulation
-from .accelerate_hook import effective_mixed_precision, plain_forward
+from .accelerate_hook import effective_mixed_precision, fp16_context, plain_forward
 from .callbacks import OverflowDiagnosisCallback
 from .trainer import LossScaleMixin
 
@@ -111,7 +111,7 @@ class KVCacheSampler:
             return torch.autocast(device, dtype=torch.bfloat16)
         if precision == "fp16":
             if device == "cpu":  # the trainer's own CPU FP16 context when it has one, else emulation
-                own = getattr(trainer.accelerator, "_hf_lossscale_context", None)
+                own = fp16_context(trainer.accelerator)
                 return own() if own is not None else fp16_emulation("cuda")
             return torch.autocast(device, dtype=torch.float16)
         return contextlib.nullcontext()

@@ -28,7 +28,8 @@ from trl import DPOConfig, DPOTrainer, GRPOConfig, SFTConfig, SFTTrainer
 
 from .compat import warn_if_untested
 from .grpo import FP16GRPOTrainer, KVCacheSampler
-from .trainer import LossScaleMixin, LossScaleTrainingArguments
+from .trainer import LossScaleMixin
+from .training_args import LossScaleTrainingArguments
 
 __all__ = [
     "FP16SFTConfig",
