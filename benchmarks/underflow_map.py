@@ -21,7 +21,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(ROOT))
 
-from hf_lossscale.fp16.underflow import format_table, underflow_map, write_plot  # noqa: E402
+from hf_lossscale.fp16.underflow import underflow_map  # noqa: E402
+from hf_lossscale.tools.underflow import format_row, format_table, write_plot  # noqa: E402
 
 #: objective -> (data file under the data folder, points)
 SWEEPS = {
@@ -76,11 +77,11 @@ def main(argv: list[str] | None = None) -> int:
     for label, objective, path in jobs:
         data, points = SWEEPS[objective]
         train = Path(opts.data_dir) / data
-        args = argparse.Namespace(
-            model_name_or_path=path, objective=objective, train_file=str(train) if train.is_file() else None,
+        result = underflow_map(
+            path, objective=objective, train_file=str(train) if train.is_file() else None,
             points=QUICK[objective] if opts.quick else points, static_scale=2.0**24, max_scale=2.0**24, seed=0,
+            on_row=lambda row: print(format_row(row), flush=True),
         )  # fmt: skip
-        result = underflow_map(args)
         result["label"] = label
         result["command"] = "python benchmarks/underflow_map.py " + " ".join(
             argv if argv is not None else sys.argv[1:]

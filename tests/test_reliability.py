@@ -265,7 +265,9 @@ def test_preflight_exits_2_when_the_overflow_is_in_the_models_own_forward(monkey
     result = pf.preflight(OwnForward(), [torch.randn(2, 4)], lambda m, b: m(b))
     assert result["overflow_outside_modules"] and result["suggested_fp32_modules"] == []
     assert "model's own forward" in pf.format_preflight(result)
-    monkeypatch.setattr(pf, "run", lambda opts: result)
+    from hf_lossscale.tools import preflight as command
+
+    monkeypatch.setattr(command, "run", lambda opts: result)
     assert main(["preflight", "--model_name_or_path", "x", "--train_file", "y"]) == 2
 
 

@@ -1,7 +1,6 @@
 """The underflow map on a tiny BERT (MiniLM's tokenizer): the search for the settled scale, the
 per-point reference, the head/rest split and the files it writes."""
 
-import argparse
 import json
 
 import pytest
@@ -12,9 +11,8 @@ from hf_lossscale.tools.cli import main
 
 
 def opts(model, objective="clm", points="1x16x1 2x16x4", **kw):
-    base = dict(model_name_or_path=model, objective=objective, train_file=None, points=points,
-                static_scale=2.0**24, max_scale=2.0**24, seed=0, output_dir="unused")  # fmt: skip
-    return argparse.Namespace(**{**base, **kw})
+    """`underflow_map`'s arguments (keywords: the library takes no parsed options)."""
+    return {"model_name_or_path": model, "objective": objective, "points": points, **kw}
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +22,7 @@ def tiny(tmp_path_factory):
 
 @pytest.mark.parametrize("objective", ["clm", "mlm", "cls"])
 def test_each_point_is_measured_against_its_own_reference(tiny, objective):
-    result = underflow.underflow_map(opts(tiny, objective))
+    result = underflow.underflow_map(**opts(tiny, objective))
     assert [r["point"] for r in result["rows"]] == ["1x16x1", "2x16x4"]
     for row in result["rows"]:
         settled = row["at_settled"]
@@ -42,14 +40,14 @@ def test_each_point_is_measured_against_its_own_reference(tiny, objective):
 
 
 def test_settled_scale_is_the_largest_that_does_not_overflow(tiny):
-    (row,) = underflow.underflow_map(opts(tiny, points="2x16x2", max_scale=2.0**30, static_scale=2.0**30))[
+    (row,) = underflow.underflow_map(**opts(tiny, points="2x16x2", max_scale=2.0**30, static_scale=2.0**30))[
         "rows"
     ]
     settled = row["settled_scale"]
     assert 1.0 < settled < 2.0**30 and not row["at_settled"]["overflow"]
     # one power of two up overflows: measured here, not taken from the search
     model_opts = opts(tiny, points="2x16x2", max_scale=2 * settled, static_scale=2 * settled)
-    (above,) = underflow.underflow_map(model_opts)["rows"]
+    (above,) = underflow.underflow_map(**model_opts)["rows"]
     assert above["at_static"]["overflow"] and above["settled_scale"] == settled
 
 
@@ -60,11 +58,21 @@ def test_points_are_checked():
             underflow.parse_point(bad)
 
 
-def test_cli_writes_table_json_and_plot(tiny, tmp_path):
+def test_cli_writes_table_json_and_plot(tiny, tmp_path, capsys):
+    """The command prints each point's line as it is measured, the table and what it wrote; the
+    library function (`underflow_map`) prints nothing and writes nothing. Bugs caught: printing left
+    in the library (issue 46: the library apart from its command line), a row line lost on the way."""
+    underflow.underflow_map(**opts(tiny, points="1x16x1"))
+    assert capsys.readouterr().out == ""
     out = tmp_path / "map"
     assert (
         main(["underflow", "--model_name_or_path", tiny, "--points", "1x16x1", "--output_dir", str(out)]) == 0
     )
+    printed = capsys.readouterr().out.splitlines()
+    assert printed[0].split()[:3] == ["1x16x1", "16", "tokens"] and any(
+        line.startswith("| 1x16x1 | 16 |") for line in printed
+    )
+    assert printed[-1].startswith("Wrote ") and printed[-1].endswith("underflow.png")
     result = json.loads((out / "underflow.json").read_text())
     assert result["rows"][0]["tokens"] == 16
     assert "| 1x16x1 | 16 |" in (out / "underflow.md").read_text()

@@ -1,16 +1,15 @@
-"""`hf-lossscale advise`: what loss scale to use for a model and data, measured, not guessed.
+"""What loss scale to use for a model and data, measured, not guessed (`advise`; the command is
+`hf-lossscale advise`, `hf_lossscale.tools.advise`).
 
 Runs a few FP32 training steps on real batches (the loss divided by the accumulation count, as in
 training), records the activation gradients at module boundaries (where FP16 underflow happens
 under autocast) and the parameter gradients, and recommends the largest power of two that keeps
-the largest gradient `--margin_bits` under FP16's maximum (65504), with the fraction of non-zero
+the largest gradient `margin_bits` under FP16's maximum (65504), with the fraction of non-zero
 activation-gradient elements that FP16 would flush to zero at scale 1 and at that scale.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import math
 from typing import Any
 
@@ -18,58 +17,50 @@ import torch
 
 from ..core.telemetry import FP16_MAX, ActivationGradientProbe
 
-__all__ = ["add_advise_arguments", "advise", "recommended_scale", "FP16_TINY"]
+__all__ = ["advise", "load_blocks", "recommended_scale", "FP16_TINY"]
 
 FP16_TINY = 2.0**-24
 
 
-def add_advise_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model_name_or_path", required=True, help="A local model folder or a Hub id.")
-    parser.add_argument("--objective", choices=["mlm", "clm"], default="mlm", help="Masked or causal LM.")
-    parser.add_argument("--train_file", default=None, help="Local text (txt: one text per line).")
-    parser.add_argument("--dataset_name", default=None, help="A Hub data set with a text column.")
-    parser.add_argument("--dataset_config_name", default=None)
-    parser.add_argument("--text_column_name", default="text")
-    parser.add_argument("--block_size", type=int, default=128)
-    parser.add_argument("--per_device_train_batch_size", type=int, default=4)
-    parser.add_argument("--gradient_accumulation_steps", type=int, default=16,
-                        help="The loss is divided by this, as gradient accumulation does.")  # fmt: skip
-    parser.add_argument("--steps", type=int, default=4, help="FP32 steps measured (each one batch).")
-    parser.add_argument("--learning_rate", type=float, default=5e-5)
-    parser.add_argument("--margin_bits", type=int, default=3,
-                        help="Keep the largest scaled gradient this many powers of two under 65504.")  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output_json", default=None, help="Also write the figures here.")
-
-
-def load_blocks(opts: argparse.Namespace, tokenizer) -> list[list[int]]:
+def load_blocks(
+    tokenizer: Any,
+    *,
+    train_file: str | None = None,
+    dataset_name: str | None = None,
+    dataset_config_name: str | None = None,
+    text_column_name: str = "text",
+    block_size: int = 128,
+    batch_size: int = 4,
+    steps: int = 4,
+) -> list[list[int]]:
+    """Blocks of `block_size` token ids from a local text file (one text per line) or a data set's
+    text column: enough for `steps` batches of `batch_size` (at least one batch). Raises
+    `ValueError` for neither or both sources, a missing column, or too little text."""
     from .._extras import need
 
     load_dataset = need("datasets", "Reading a text data set", "tools").load_dataset
 
-    if (opts.train_file is None) == (opts.dataset_name is None):
-        raise SystemExit("Give exactly one of --train_file or --dataset_name.")
-    if opts.train_file:
-        raw = load_dataset("text", data_files={"train": opts.train_file})["train"]
+    if (train_file is None) == (dataset_name is None):
+        raise ValueError("Give exactly one of --train_file or --dataset_name.")
+    if train_file:
+        raw = load_dataset("text", data_files={"train": train_file})["train"]
     else:
-        raw = load_dataset(opts.dataset_name, opts.dataset_config_name, split="train")
-    if opts.text_column_name not in raw.column_names:
-        raise SystemExit(
-            f"No text column {opts.text_column_name!r} in {raw.column_names}: pass --text_column_name."
+        raw = load_dataset(dataset_name, dataset_config_name, split="train")
+    if text_column_name not in raw.column_names:
+        raise ValueError(
+            f"No text column {text_column_name!r} in {raw.column_names}: pass --text_column_name."
         )
-    needed = opts.steps * opts.per_device_train_batch_size * opts.block_size
+    needed = steps * batch_size * block_size
     ids: list[int] = []
-    for text in raw[opts.text_column_name]:
+    for text in raw[text_column_name]:
         if text and text.strip():
             ids.extend(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
         if len(ids) >= needed:
             break
-    n = len(ids) // opts.block_size
-    if n < opts.per_device_train_batch_size:
-        raise SystemExit(
-            f"Not enough text for {opts.per_device_train_batch_size} blocks of {opts.block_size} tokens."
-        )
-    return [ids[i * opts.block_size : (i + 1) * opts.block_size] for i in range(n)]
+    n = len(ids) // block_size
+    if n < batch_size:
+        raise ValueError(f"Not enough text for {batch_size} blocks of {block_size} tokens.")
+    return [ids[i * block_size : (i + 1) * block_size] for i in range(n)]
 
 
 def recommended_scale(amax: float, margin_bits: int) -> float:
@@ -92,17 +83,57 @@ def _lost(samples: list[torch.Tensor], scale: float) -> float:
     return lost / max(nonzero, 1)
 
 
-def advise(opts: argparse.Namespace) -> dict[str, Any]:
+def advise(
+    model_name_or_path: str,
+    *,
+    objective: str = "mlm",
+    train_file: str | None = None,
+    dataset_name: str | None = None,
+    dataset_config_name: str | None = None,
+    text_column_name: str = "text",
+    block_size: int = 128,
+    per_device_train_batch_size: int = 4,
+    gradient_accumulation_steps: int = 16,
+    steps: int = 4,
+    learning_rate: float = 5e-5,
+    margin_bits: int = 3,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Measure `steps` FP32 steps of `model_name_or_path` and recommend a loss scale.
+
+    Args:
+        model_name_or_path (`str`): a local model folder or a Hub id.
+        objective (`str`, defaults to `"mlm"`): `"mlm"` (masked) or `"clm"` (causal).
+        train_file (`str`, *optional*): local text, one text per line; or `dataset_name`
+            (`dataset_config_name`, `text_column_name`): a data set with a text column. Exactly one.
+        block_size (`int`, defaults to 128): tokens per sequence.
+        per_device_train_batch_size (`int`, defaults to 4): sequences per step.
+        gradient_accumulation_steps (`int`, defaults to 16): the loss is divided by this, as
+            accumulation does.
+        steps (`int`, defaults to 4): FP32 steps measured (each one batch).
+        learning_rate (`float`, defaults to 5e-5): AdamW's, between the steps.
+        margin_bits (`int`, defaults to 3): keep the largest scaled gradient this many powers of two
+            under 65504.
+        seed (`int`, defaults to 0): the model's seed.
+
+    Returns the figures (`recommended_scale`, the largest gradients, the flushed fractions at scale
+    1 and at the recommendation, per module).
+    Raises `ValueError` for unusable text (see `load_blocks`).
+    """
     from transformers import DataCollatorForLanguageModeling
 
     from .underflow import load_for_objective
 
-    causal = opts.objective == "clm"
-    tokenizer, model = load_for_objective(opts.model_name_or_path, opts.objective, opts.seed)
+    causal = objective == "clm"
+    tokenizer, model = load_for_objective(model_name_or_path, objective, seed)
     model.train()
-    blocks = load_blocks(opts, tokenizer)
+    blocks = load_blocks(
+        tokenizer, train_file=train_file, dataset_name=dataset_name, dataset_config_name=dataset_config_name,
+        text_column_name=text_column_name, block_size=block_size, batch_size=per_device_train_batch_size,
+        steps=steps,
+    )  # fmt: skip
     collator = None if causal else DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=opts.learning_rate)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=learning_rate)
     samples: dict[str, list[torch.Tensor]] = {}
 
     def keep_sample(name: str, grad: torch.Tensor) -> None:  # FP32 samples, read after the run
@@ -113,8 +144,8 @@ def advise(opts: argparse.Namespace) -> dict[str, Any]:
     probe = ActivationGradientProbe(model, sample=4096, on_gradient=keep_sample)
     probe.active = True
     param_amax, param_samples, losses = 0.0, [], []
-    bs = opts.per_device_train_batch_size
-    for step in range(opts.steps):
+    bs = per_device_train_batch_size
+    for step in range(steps):
         chunk = blocks[(step * bs) % len(blocks) : (step * bs) % len(blocks) + bs]
         if causal:
             ids = torch.tensor(chunk)
@@ -123,7 +154,7 @@ def advise(opts: argparse.Namespace) -> dict[str, Any]:
             batch = collator([{"input_ids": c} for c in chunk])
         loss = model(**batch).loss
         losses.append(float(loss.detach()))
-        (loss / opts.gradient_accumulation_steps).backward()
+        (loss / gradient_accumulation_steps).backward()
         for _, p in model.named_parameters():
             if p.grad is not None:
                 g = p.grad.detach()
@@ -135,7 +166,7 @@ def advise(opts: argparse.Namespace) -> dict[str, Any]:
     flat = [s for v in samples.values() for s in v]
     act_amax = max((float(s.abs().max()) for s in flat if s.numel()), default=0.0)
     amax = max(act_amax, param_amax)
-    recommended = recommended_scale(amax, opts.margin_bits)
+    recommended = recommended_scale(amax, margin_bits)
     per_module = {
         name: {
             "max_abs": max(float(s.abs().max()) for s in v),
@@ -145,15 +176,15 @@ def advise(opts: argparse.Namespace) -> dict[str, Any]:
         for name, v in samples.items()
     }
     result = {
-        "model": opts.model_name_or_path,
-        "objective": opts.objective,
-        "steps": opts.steps,
-        "tokens_per_step": bs * opts.block_size,
-        "loss_divisor": opts.gradient_accumulation_steps,
+        "model": model_name_or_path,
+        "objective": objective,
+        "steps": steps,
+        "tokens_per_step": bs * block_size,
+        "loss_divisor": gradient_accumulation_steps,
         "losses": losses,
         "activation_grad_max_abs": act_amax,
         "param_grad_max_abs": param_amax,
-        "margin_bits": opts.margin_bits,
+        "margin_bits": margin_bits,
         "recommended_scale": recommended,
         "lost_at_1": _lost(flat, 1.0),
         "lost_at_recommended": _lost(flat, recommended),
@@ -162,39 +193,4 @@ def advise(opts: argparse.Namespace) -> dict[str, Any]:
         "per_module": dict(sorted(per_module.items(), key=lambda kv: -kv[1]["lost_at_1"])),
         "modules_measured": sorted(samples),
     }
-    return result
-
-
-def format_advice(r: dict[str, Any]) -> str:
-    k = int(math.log2(r["recommended_scale"]))
-    lines = [
-        f"Measured {r['steps']} FP32 steps of {r['model']} ({r['objective']}, {r['tokens_per_step']} tokens per step, "
-        f"loss / {r['loss_divisor']} as with gradient accumulation {r['loss_divisor']}).",
-        f"Largest gradient: activations {r['activation_grad_max_abs']:.3g}, parameters {r['param_grad_max_abs']:.3g}.",
-        f"Recommended initial (or static) scale: 2^{k} = {r['recommended_scale']:g} "
-        f"(keeps the largest gradient {r['margin_bits']} powers of two under 65504).",
-        f"Activation-gradient elements FP16 would flush to zero: {r['lost_at_1']:.2%} at scale 1, "
-        f"{r['lost_at_recommended']:.2%} at 2^{k}.",
-        f"Parameter-gradient elements below 2^-24: {r['param_lost_at_1']:.2%} at scale 1, "
-        f"{r['param_lost_at_recommended']:.2%} at 2^{k}.",
-        "",
-        "Most affected modules at scale 1 (activation gradients, sampled):",
-        f"| module | max abs grad | lost at 1 | lost at 2^{k} |",
-        "|---|---|---|---|",
-    ]
-    for name, m in list(r["per_module"].items())[:8]:
-        lines.append(
-            f"| {name} | {m['max_abs']:.3g} | {m['lost_at_1']:.2%} | {m['lost_at_recommended']:.2%} |"
-        )
-    lines += ["", f"Use: --loss_scale_init {r['recommended_scale']:g}  (or --loss_scale_mode static --loss_scale_init "
-              f"{r['recommended_scale']:g})"]  # fmt: skip
-    return "\n".join(lines)
-
-
-def run(opts: argparse.Namespace) -> dict[str, Any]:
-    result = advise(opts)
-    print(format_advice(result))
-    if opts.output_json:
-        with open(opts.output_json, "w") as f:
-            json.dump(result, f, indent=2)
     return result

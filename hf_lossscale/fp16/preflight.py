@@ -1,4 +1,6 @@
-"""`hf-lossscale preflight`: will this checkpoint train in FP16? Checked before the first step.
+"""Will this checkpoint train in FP16? Checked before the first step (`preflight` on any model and
+batches, `preflight_checkpoint` on a saved checkpoint and text; the command is `hf-lossscale
+preflight`, `hf_lossscale.tools.preflight`).
 
 Two measurements on a few real batches:
 
@@ -12,14 +14,12 @@ Two measurements on a few real batches:
    found before training instead of one skipped step each. The model is left as it was found.
 
 The suggested initial scale keeps the largest gradient `margin_bits` powers of two under 65504 (as
-`advise` does). Imports only torch (the CLI's loading uses transformers and datasets).
+`advise` does). Imports only torch (`preflight_checkpoint`'s loading uses transformers and datasets).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import math
 from collections.abc import Callable
 from typing import Any
@@ -31,7 +31,7 @@ from ..core.telemetry import FP16_MAX
 from .advise import FP16_TINY, recommended_scale
 from .fp32_modules import run_in_fp32, runs_in_fp32, unwrap
 
-__all__ = ["preflight", "format_preflight", "add_preflight_arguments", "run"]
+__all__ = ["preflight", "format_preflight", "classifier_architecture", "preflight_checkpoint"]
 
 
 def _bits(ratio: float) -> float | None:
@@ -238,76 +238,57 @@ def format_preflight(r: dict[str, Any], rows: int = 12) -> str:
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------- the command line
-def add_preflight_arguments(parser: argparse.ArgumentParser) -> None:
-    from .advise import add_advise_arguments
-
-    add_advise_arguments(parser)
-    for action in parser._actions:  # same options as advise; preflight needs fewer batches
-        if action.dest == "steps":
-            action.default, action.help = 2, "Batches measured (each one forward + backward)."
-    parser.add_argument("--near_bits", type=float, default=2.0,
-                        help="Name modules whose activations come within this many bits of 65504.")  # fmt: skip
-    parser.add_argument(
-        "--max_modules", type=int, default=8, help="The most modules moved to FP32 in the replays."
-    )
-
-
-def check_options(opts: argparse.Namespace) -> None:
-    """What can be refused before a model is loaded: the step count, the text file, the output path."""
-    import os
-
-    if opts.steps < 1:
-        raise SystemExit(f"--steps {opts.steps}: preflight measures at least 1 batch.")
-    if opts.train_file:
-        try:
-            with open(opts.train_file, encoding="utf-8", errors="replace") as f:
-                has_text = any(line.strip() for line in f)
-        except OSError as err:
-            raise SystemExit(f"--train_file {opts.train_file}: {err.strerror}.") from None
-        if not has_text:
-            raise SystemExit(f"--train_file {opts.train_file} holds no text (empty, or blank lines only).")
-    if opts.output_json:
-        folder = os.path.dirname(os.path.abspath(opts.output_json))
-        target = opts.output_json if os.path.exists(opts.output_json) else folder
-        if not os.path.isdir(folder) or not os.access(target, os.W_OK):
-            raise SystemExit(
-                f"--output_json {opts.output_json}: cannot write there (checked before measuring)."
-            )
-
-
-def own_objective(model_name_or_path: str, objective: str) -> str:
-    """The objective the checkpoint was saved for, as `run_glue.py` loads a classifier: a checkpoint
-    whose config's `architectures` is a sequence classifier is measured as one ("cls", its own head
-    and labels), whatever `--objective` says (a word is printed)."""
+# ---------------------------------------------------------------------- a saved checkpoint
+def classifier_architecture(model_name_or_path: str) -> str | None:
+    """The checkpoint's sequence-classifier architecture (`BertForSequenceClassification`, ...), or
+    None: such a checkpoint is measured as what it was saved for, as `run_glue.py` loads it (objective
+    `"cls"`, its own head and labels)."""
     from transformers import AutoConfig
 
     archs = getattr(AutoConfig.from_pretrained(model_name_or_path), "architectures", None) or []
-    if any(a.endswith("ForSequenceClassification") for a in archs) and objective != "cls":
-        print(
-            f"{model_name_or_path} is a sequence classifier ({archs[0]}): measured as one, with its own head."
-        )
-        return "cls"
-    return objective
+    return next((a for a in archs if a.endswith("ForSequenceClassification")), None)
 
 
-def run(opts: argparse.Namespace) -> dict[str, Any]:
+def preflight_checkpoint(
+    model_name_or_path: str,
+    *,
+    objective: str = "mlm",
+    train_file: str | None = None,
+    dataset_name: str | None = None,
+    dataset_config_name: str | None = None,
+    text_column_name: str = "text",
+    block_size: int = 128,
+    per_device_train_batch_size: int = 4,
+    gradient_accumulation_steps: int = 16,
+    steps: int = 2,
+    near_bits: float = 2.0,
+    margin_bits: int = 3,
+    max_modules: int = 8,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """`preflight` on a saved checkpoint, on the CPU (FP16 emulated), with `steps` batches of
+    `per_device_train_batch_size` blocks of `block_size` tokens from `train_file` (or `dataset_name`):
+    `objective` `"mlm"` (masked, BERT's collator), `"clm"` (causal) or `"cls"` (labels alternating over
+    the checkpoint's classes; see `classifier_architecture`). The loss is divided by
+    `gradient_accumulation_steps`. Returns `preflight`'s figures with `model`; raises `ValueError` for
+    unusable text (`advise.load_blocks`)."""
     from transformers import DataCollatorForLanguageModeling
 
     from .advise import load_blocks
     from .underflow import load_for_objective
 
-    check_options(opts)
-    objective = own_objective(opts.model_name_or_path, opts.objective)
-    tokenizer, model = load_for_objective(opts.model_name_or_path, objective, opts.seed)
-    blocks = load_blocks(opts, tokenizer)
-    bs = opts.per_device_train_batch_size
+    tokenizer, model = load_for_objective(model_name_or_path, objective, seed)
+    bs = per_device_train_batch_size
+    blocks = load_blocks(
+        tokenizer, train_file=train_file, dataset_name=dataset_name, dataset_config_name=dataset_config_name,
+        text_column_name=text_column_name, block_size=block_size, batch_size=bs, steps=steps,
+    )  # fmt: skip
     collator = (
         DataCollatorForLanguageModeling(tokenizer, mlm_probability=0.15) if objective == "mlm" else None
     )
-    torch.manual_seed(opts.seed)
+    torch.manual_seed(seed)
     batches = []
-    for step in range(opts.steps):
+    for step in range(steps):
         chunk = blocks[(step * bs) % len(blocks) : (step * bs) % len(blocks) + bs]
         if collator is not None:
             batches.append(dict(collator([{"input_ids": c} for c in chunk])))
@@ -322,15 +303,8 @@ def run(opts: argparse.Namespace) -> dict[str, Any]:
         return m(**batch).loss
 
     result = preflight(
-        model, batches, loss_fn, loss_divisor=opts.gradient_accumulation_steps, near_bits=opts.near_bits,
-        margin_bits=opts.margin_bits, max_modules=opts.max_modules,
+        model, batches, loss_fn, loss_divisor=gradient_accumulation_steps, near_bits=near_bits,
+        margin_bits=margin_bits, max_modules=max_modules,
     )  # fmt: skip
-    result["model"] = opts.model_name_or_path
-    print(f"Pre-flight of {opts.model_name_or_path} ({objective}, {opts.steps} batches of {bs}x{opts.block_size} "
-          f"tokens; FP32 passes and FP16 {'emulated' if next(model.parameters()).device.type == 'cpu' else 'autocast'} "
-          "replays):")  # fmt: skip
-    print(format_preflight(result))
-    if opts.output_json:
-        with open(opts.output_json, "w") as f:
-            json.dump(result, f, indent=2)
+    result["model"] = model_name_or_path
     return result

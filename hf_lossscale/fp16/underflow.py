@@ -1,5 +1,6 @@
-"""`hf-lossscale underflow`: the underflow map. Which gradients FP16 throws away, and how that
-grows with the tokens per optimizer step, measured without training.
+"""The underflow map: which gradients FP16 throws away, and how that grows with the tokens per
+optimizer step, measured without training (`underflow_map`; the command is `hf-lossscale underflow`,
+`hf_lossscale.tools.underflow`).
 
 For each point `MICRO x BLOCK x ACCUM` (micro-batch of MICRO sequences of BLOCK tokens, ACCUM
 micro-batches per optimizer step; `/D` after it divides the loss by D more, which is the per-token
@@ -11,17 +12,15 @@ largest power of two at which the step does not overflow (where dynamic scaling 
 until it overflows and backs off once), and a chosen static scale. Reported: the fraction of the
 non-zero FP32 gradient elements that come out zero (overall, per module, and the LM head / word
 embeddings apart from the rest) and the relative error `||g16 / scale - g32|| / ||g32||`.
-
-Writes `underflow.json`, `underflow.md` (the table) and `underflow.png` to `--output_dir`.
+Its table and figure are the command's (`hf_lossscale.tools.underflow`).
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
-import json
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,31 +28,12 @@ import torch
 
 from .emulation import accumulated_gradients, compare_gradients, fp16_emulation
 
-__all__ = ["add_underflow_arguments", "parse_point", "underflow_map", "format_table", "run"]
+__all__ = ["parse_point", "underflow_map", "load_for_objective", "DEFAULT_POINTS", "HEAD_PATTERN"]
 
 DEFAULT_POINTS = "1x128x1 4x32x1 4x128x1 2x128x8 8x128x2 8x128x8 8x128x16"
 #: Parameters of the LM head and the (tied) word embeddings: where the p/N gradients of the
 #: non-target tokens land.
 HEAD_PATTERN = re.compile(r"word_embeddings|lm_head|\.decoder\.|predictions\.bias|^cls\.|wte|embed_tokens")
-
-
-def add_underflow_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--model_name_or_path", required=True, help="A local model folder or a Hub id.")
-    parser.add_argument("--objective", choices=["clm", "mlm", "cls"], default="clm",
-                        help="Causal LM, masked LM, or sequence classification (a fresh 2-label head).")  # fmt: skip
-    parser.add_argument("--train_file", default=None,
-                        help="Text (clm/mlm: one text per line; cls: a TSV/CSV with a header naming `sentence` "
-                        "and `label`, e.g. SST-2's train.tsv). Default: the Python documentation's topic pages "
-                        "(pydoc_data; for cls with alternating labels).")  # fmt: skip
-    parser.add_argument("--points", default=DEFAULT_POINTS,
-                        help="Space- or comma-separated MICROxBLOCKxACCUM points (sequences per micro-batch, "
-                        "tokens per sequence, micro-batches per optimizer step); MICROxBLOCKxACCUM/D also divides "
-                        "the loss by D: the per-token gradients of a step with D times more tokens.")  # fmt: skip
-    parser.add_argument("--static_scale", type=float, default=2.0**24, help="The static scale measured too.")
-    parser.add_argument("--max_scale", type=float, default=2.0**24,
-                        help="The largest scale the search for the settled scale tries (the scaler's max).")  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output_dir", default="underflow_out")
 
 
 def parse_point(text: str) -> tuple[int, int, int]:
@@ -84,16 +64,16 @@ def parse_divided_point(text: str) -> tuple[int, int, int, int]:
     return micro, block, accum, divisor
 
 
-def _texts(opts: argparse.Namespace) -> tuple[list[str], list[int] | None]:
-    if opts.train_file is None:
+def _texts(objective: str, train_file: str | None) -> tuple[list[str], list[int] | None]:
+    if train_file is None:
         from pydoc_data.topics import topics
 
         texts = [topics[k] for k in sorted(topics)]
-        return texts, [i % 2 for i in range(len(texts))] if opts.objective == "cls" else None
-    path = Path(opts.train_file)
+        return texts, [i % 2 for i in range(len(texts))] if objective == "cls" else None
+    path = Path(train_file)
     if not path.is_file():
-        raise SystemExit(f"--train_file {opts.train_file!r} does not exist.")
-    if opts.objective != "cls":
+        raise ValueError(f"--train_file {train_file!r} does not exist.")
+    if objective != "cls":
         return [line for line in path.read_text().splitlines() if line.strip()], None
     import csv
 
@@ -101,7 +81,7 @@ def _texts(opts: argparse.Namespace) -> tuple[list[str], list[int] | None]:
     with open(path, newline="") as f:
         rows = list(csv.DictReader(f, delimiter=delimiter, quoting=csv.QUOTE_NONE))
     if not rows or not {"sentence", "label"} <= set(rows[0]):
-        raise SystemExit(f"--train_file {opts.train_file}: cls needs a header with `sentence` and `label`.")
+        raise ValueError(f"--train_file {train_file}: cls needs a header with `sentence` and `label`.")
     return [r["sentence"] for r in rows], [int(r["label"]) for r in rows]
 
 
@@ -139,11 +119,11 @@ def load_for_objective(model_name_or_path: str, objective: str, seed: int = 0):
 class _Batches:
     """Micro-batches for each point, drawn in order from one token stream (LM) or sentence list (cls)."""
 
-    def __init__(self, opts: argparse.Namespace, tokenizer) -> None:
-        self.objective, self.tokenizer = opts.objective, tokenizer
-        texts, self.labels = _texts(opts)
+    def __init__(self, tokenizer, objective: str, train_file: str | None, seed: int) -> None:
+        self.objective, self.tokenizer = objective, tokenizer
+        texts, self.labels = _texts(objective, train_file)
         self.texts, self.ids, self.read = texts, [], 0
-        self.generator = torch.Generator().manual_seed(opts.seed)
+        self.generator = torch.Generator().manual_seed(seed)
 
     def micro_batches(self, micro: int, block: int, accum: int) -> tuple[list[dict[str, torch.Tensor]], int]:
         """ACCUM micro-batches and the number of input tokens they hold."""
@@ -166,7 +146,7 @@ class _Batches:
             )
             self.read += 1
         if len(self.ids) < need:
-            raise SystemExit(
+            raise ValueError(
                 f"Not enough text for {need:,} tokens ({len(self.ids):,} tokenised): pass a longer --train_file."
             )
         ids = torch.tensor(self.ids[:need]).view(accum, micro, block)
@@ -240,154 +220,63 @@ def _settled(model, batches, divisor, reference, max_scale, tried: dict[float, d
     return 1.0
 
 
-def underflow_map(opts: argparse.Namespace) -> dict[str, Any]:
-    """Measure every point of `opts.points` (see the module docstring)."""
-    points = [parse_divided_point(p) for p in re.split(r"[,\s]+", opts.points.strip()) if p]
-    if not points:
-        raise SystemExit("--points is empty.")
-    tokenizer, model = load_for_objective(opts.model_name_or_path, opts.objective, opts.seed)
-    data = _Batches(opts, tokenizer)
+def underflow_map(
+    model_name_or_path: str,
+    *,
+    objective: str = "clm",
+    train_file: str | None = None,
+    points: str = DEFAULT_POINTS,
+    static_scale: float = 2.0**24,
+    max_scale: float = 2.0**24,
+    seed: int = 0,
+    on_row: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
+    """Measure every point of `points` (see the module docstring).
+
+    Args:
+        model_name_or_path (`str`): a local model folder (or a Hub id).
+        objective (`str`, defaults to `"clm"`): `"clm"`, `"mlm"` or `"cls"` (a fresh 2-label head).
+        train_file (`str`, *optional*): text (clm/mlm: one text per line; cls: a TSV/CSV with a header
+            naming `sentence` and `label`); default: the Python documentation's topic pages.
+        points (`str`): space- or comma-separated `MICROxBLOCKxACCUM[/D]` points.
+        static_scale (`float`, defaults to 2^24): the static scale measured too.
+        max_scale (`float`, defaults to 2^24): the largest scale the search for the settled one tries.
+        seed (`int`, defaults to 0): the model's and the masking's seed.
+        on_row (`Callable`, *optional*): called with each point's row as it is measured.
+
+    Returns the map (`model`, `objective`, `data`, `static_scale`, `policy`, `rows`). Raises
+    `ValueError` for a malformed point, missing or too little text.
+    """
+    parsed = [parse_divided_point(p) for p in re.split(r"[,\s]+", points.strip()) if p]
+    if not parsed:
+        raise ValueError("--points is empty.")
+    tokenizer, model = load_for_objective(model_name_or_path, objective, seed)
+    data = _Batches(tokenizer, objective, train_file, seed)
     rows = []
-    for micro, block, accum, divisor in points:
+    for micro, block, accum, divisor in parsed:
         batches, tokens = data.micro_batches(micro, block, accum)
         total = accum * divisor
         reference = accumulated_gradients(
             model, None, _loss, contextlib.nullcontext(), 1.0 / total, micro_batches=batches
         )
         tried = {1.0: _measure(model, batches, total, reference, 1.0)}
-        settled = _settled(model, batches, total, reference, opts.max_scale, tried)
-        if opts.static_scale not in tried:
-            tried[opts.static_scale] = _measure(model, batches, total, reference, opts.static_scale)
+        settled = _settled(model, batches, total, reference, max_scale, tried)
+        if static_scale not in tried:
+            tried[static_scale] = _measure(model, batches, total, reference, static_scale)
         rows.append({
             "point": f"{micro}x{block}x{accum}" + (f"/{divisor}" if divisor > 1 else ""),
             "micro_batch": micro, "block_size": block, "accumulation": accum, "loss_divisor": divisor,
             "tokens": tokens, "tokens_per_step": tokens * divisor, "settled_scale": settled,
-            "at_1": tried[1.0], "at_settled": tried[settled], "at_static": tried[opts.static_scale],
+            "at_1": tried[1.0], "at_settled": tried[settled], "at_static": tried[static_scale],
         })  # fmt: skip
-        print(_row_text(rows[-1]), flush=True)
+        if on_row is not None:
+            on_row(rows[-1])
     model.zero_grad(set_to_none=True)
     return {
-        "model": opts.model_name_or_path,
-        "objective": opts.objective,
-        "data": opts.train_file or "pydoc_data.topics (the Python documentation's topic pages)",
-        "static_scale": opts.static_scale,
+        "model": model_name_or_path,
+        "objective": objective,
+        "data": train_file or "pydoc_data.topics (the Python documentation's topic pages)",
+        "static_scale": static_scale,
         "policy": "cuda",
         "rows": rows,
     }
-
-
-def _pct(x: float | None) -> str:
-    from ..tools.summary import percent
-
-    return "—" if x is None else percent(x)
-
-
-def _tokens(row: dict[str, Any]) -> str:
-    """Tokens per step; for a `/D` point, the step it stands for (D x the tokens it holds)."""
-    divisor = row.get("loss_divisor", 1)
-    held = f"{row['tokens']:,}"
-    return held if divisor == 1 else f"{row['tokens'] * divisor:,} ({held} x {divisor})"
-
-
-def _cell(m: dict[str, Any]) -> str:
-    if m["overflow"]:
-        return "overflow"
-    return (
-        f"{_pct(m['flushed_fraction'])} (head {_pct(m['flushed_head'])}), err {m['relative_grad_error']:.2g}"
-    )
-
-
-def _row_text(row: dict[str, Any]) -> str:
-    from ..tools.summary import scale_text
-
-    return (
-        f"{row['point']:>10} {_tokens(row):>7} tokens | scale 1: {_cell(row['at_1'])} | settled "
-        f"{scale_text(row['settled_scale'])}: {_cell(row['at_settled'])} | static "
-        f"{scale_text(row['at_static']['scale'])}: {_cell(row['at_static'])}"
-    )
-
-
-def format_table(result: dict[str, Any]) -> str:
-    """The map as a Markdown table."""
-    from ..tools.summary import scale_text
-
-    static = scale_text(result["static_scale"])
-    model = Path(result["model"])
-    model_name = model.parent.name if model.name == "model" else model.name  # pip packages' model/ folder
-    data = "/".join(Path(result["data"]).parts[-2:]) if "/" in result["data"] else result["data"]
-    lines = [
-        f"Underflow map: `{model_name}`, {result['objective']}, data `{data}`; "
-        "emulated FP16 (policy cuda). Flushed = non-zero FP32 gradient elements that are zero in FP16 "
-        "(head = LM head / word embeddings, rest = every other parameter); err = ||g16/scale - g32|| / ||g32||.",
-        "",
-        "| micro x block x accum | tokens / step | flushed @1 | head @1 | rest @1 | err @1 | settled scale "
-        f"| flushed @settled | err @settled | @{static} |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for r in result["rows"]:
-        one, settled, st = r["at_1"], r["at_settled"], r["at_static"]
-        lines.append(
-            f"| {r['point']} | {_tokens(r)} | {_pct(one['flushed_fraction'])} | {_pct(one['flushed_head'])} | "
-            f"{_pct(one['flushed_rest'])} | {one['relative_grad_error']:.2g} | {scale_text(r['settled_scale'])} | "
-            f"{_pct(settled['flushed_fraction'])} | {settled['relative_grad_error']:.2g} | "
-            f"{'overflow' if st['overflow'] else _pct(st['flushed_fraction'])} |"
-        )
-    return "\n".join(lines) + "\n"
-
-
-def write_plot(results: list[dict[str, Any]], path: Path) -> None:
-    """Flushed fraction and relative error against tokens per step, one colour per objective."""
-    from .._extras import need
-
-    matplotlib = need("matplotlib", "The underflow map's plot", "tools")
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    colors = ["tab:orange", "tab:blue", "tab:green", "tab:red", "tab:purple"]
-    for color, result in zip(colors, results):
-        rows = sorted(result["rows"], key=lambda r: r["tokens"] * r.get("loss_divisor", 1))
-        x = [r["tokens"] * r.get("loss_divisor", 1) for r in rows]
-        name = result.get("label", result["objective"])
-        left.plot(
-            x,
-            [100 * r["at_1"]["flushed_fraction"] for r in rows],
-            "o-",
-            color=color,
-            label=f"{name}: all, scale 1",
-        )
-        left.plot(x, [100 * (r["at_1"]["flushed_head"] or 0) for r in rows], "s--", color=color, alpha=0.6,
-                  label=f"{name}: LM head / embeddings, scale 1")  # fmt: skip
-        left.plot(x, [100 * r["at_settled"]["flushed_fraction"] for r in rows], "^:", color=color,
-                  label=f"{name}: all, settled scale")  # fmt: skip
-        right.plot(
-            x, [r["at_1"]["relative_grad_error"] for r in rows], "o-", color=color, label=f"{name}: scale 1"
-        )
-        right.plot(x, [r["at_settled"]["relative_grad_error"] for r in rows], "^:", color=color,
-                   label=f"{name}: settled scale")  # fmt: skip
-    for ax in (left, right):
-        ax.set_xscale("log", base=2)
-        ax.set_xlabel("tokens per optimizer step")
-        ax.legend(fontsize=7)
-    left.set_ylabel("gradient elements flushed to zero (%)")
-    left.set_title("What FP16 throws away")
-    right.set_yscale("log")
-    right.set_ylabel("relative gradient error")
-    right.set_title("||g16/scale - g32|| / ||g32||")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-def run(opts: argparse.Namespace) -> dict[str, Any]:
-    out = Path(opts.output_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    result = underflow_map(opts)
-    table = format_table(result)
-    (out / "underflow.json").write_text(json.dumps(result, indent=1))
-    (out / "underflow.md").write_text(table)
-    write_plot([result], out / "underflow.png")
-    print(table)
-    print(f"Wrote {out / 'underflow.json'}, {out / 'underflow.md'}, {out / 'underflow.png'}")
-    return result

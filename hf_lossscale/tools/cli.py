@@ -46,8 +46,8 @@ def make_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     add_report_arguments(report)
 
-    from ..fp16.advise import __doc__ as advise_doc
-    from ..fp16.advise import add_advise_arguments
+    from .advise import __doc__ as advise_doc
+    from .advise import add_advise_arguments
 
     advise = commands.add_parser(
         "advise", help="Measure gradients in a few FP32 steps and recommend a loss scale.", description=advise_doc,
@@ -55,8 +55,8 @@ def make_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     add_advise_arguments(advise)
 
-    from ..fp16.underflow import __doc__ as underflow_doc
-    from ..fp16.underflow import add_underflow_arguments
+    from .underflow import __doc__ as underflow_doc
+    from .underflow import add_underflow_arguments
 
     underflow = commands.add_parser(
         "underflow", help="The underflow map: FP16's flushed gradients against tokens per optimizer step.",
@@ -64,8 +64,8 @@ def make_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     add_underflow_arguments(underflow)
 
-    from ..fp16.preflight import __doc__ as preflight_doc
-    from ..fp16.preflight import add_preflight_arguments
+    from .preflight import __doc__ as preflight_doc
+    from .preflight import add_preflight_arguments
 
     preflight = commands.add_parser(
         "preflight", help="Before training: which modules overflow FP16, with margins and suggested fp32_modules.",
@@ -73,8 +73,8 @@ def make_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     add_preflight_arguments(preflight)
 
-    from ..fp16.precision import __doc__ as precision_doc
-    from ..fp16.precision import add_precision_arguments
+    from .precision import __doc__ as precision_doc
+    from .precision import add_precision_arguments
 
     precision = commands.add_parser(
         "precision", help="FP16 and BF16 forwards against FP32: the next-token log-probability gap per token.",
@@ -124,19 +124,19 @@ def main(argv: list[str] | None = None) -> int:
             print(f"Skipped {result['skipped_lines']} unreadable line(s) of the event log.")
         return 0
     if opts.command == "advise":
-        from ..fp16.advise import run
+        from .advise import run
 
         run(opts)
         return 0
     if opts.command == "preflight":
-        from ..fp16.preflight import run as run_preflight
+        from .preflight import run as run_preflight
 
         result = run_preflight(opts)
         # 2: the FP16 forward overflows (a module to move, or the model's own forward / the loss)
         return 2 if result["suggested_fp32_modules"] or result["overflow_outside_modules"] else 0
     if opts.command == "precision":
-        from ..fp16.precision import check
-        from ..fp16.precision import run as run_precision
+        from .precision import check
+        from .precision import run as run_precision
 
         check(opts)
         run_precision(opts)
@@ -146,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return run_path(opts.name)
     if opts.command == "underflow":
-        from ..fp16.underflow import run as run_underflow
+        from .underflow import run as run_underflow
 
         run_underflow(opts)
         return 0

@@ -145,8 +145,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m hf_lossscale.tool
 
 def underflow_at_setting(opts: argparse.Namespace, out: Path, command: list[str]) -> None:
     """The underflow map's numbers at the demo's own point, printed and added to summary.md."""
-    from ..fp16.underflow import format_table
-    from ..fp16.underflow import run as run_underflow
+    from .underflow import format_table
+    from .underflow import run as run_underflow
 
     point = f"{opts.per_device_train_batch_size}x128x{opts.gradient_accumulation_steps}"
     args = argparse.Namespace(
