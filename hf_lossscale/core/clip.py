@@ -26,6 +26,8 @@ def total_norm(
         return torch.tensor(0.0), None
     if any(_is_dtensor(g) for g in grads):
         return _dtensor_total_norm(grads, norm_type, foreach), None
+    if any(g.dtype == torch.float16 for g in grads):
+        return _with_fp16(grads, norm_type, foreach)
     grouped = _group_tensors_by_device_and_dtype([grads], with_indices=True)
     norms: list[torch.Tensor | None] = [None] * len(grads)
     in_order: list[torch.Tensor] = []  # torch's order: group by group
@@ -48,6 +50,39 @@ def total_norm(
     total = torch.linalg.vector_norm(stacked, norm_type)
     if all(a is b for a, b in zip(in_order, norms, strict=True)):  # one group, in order: the same stack
         return total, stacked
+    return total, torch.stack([n.to(first) for n in norms])
+
+
+def _with_fp16(
+    grads: list[torch.Tensor], norm_type: float, foreach: bool | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP16 gradients of master weights among them (read, not yet cast): each FP16 norm computed in FP32
+    (`dtype=torch.float32`: the norm of the gradient cast to FP32, without the cast's copy), and the
+    total over the norms in the order torch takes them when all are FP32 (one group per device, in
+    order), so that the total is the one of the gradients cast into the masters."""
+    norms: list[torch.Tensor | None] = [None] * len(grads)
+    for (device, dtype), ([tensors], indices) in _group_tensors_by_device_and_dtype(
+        [grads], with_indices=True
+    ).items():
+        kw = {"dtype": torch.float32} if dtype == torch.float16 else {}
+        if (foreach is None and _has_foreach_support(tensors, device)) or (
+            foreach and _device_has_foreach_support(device)
+        ):
+            group_norms = list(torch._foreach_norm(tensors, norm_type, **kw))
+        elif foreach:
+            raise RuntimeError(
+                f"foreach=True was passed, but can't use the foreach API on {device.type} tensors"
+            )
+        else:
+            group_norms = [torch.linalg.vector_norm(g, norm_type, **kw) for g in tensors]
+        for i, n in zip(indices, group_norms, strict=True):
+            norms[i] = n
+    first = grads[0].device
+    by_device: dict = defaultdict(list)
+    for g, n in zip(grads, norms, strict=True):
+        by_device[g.device].append(n)
+    in_order = [n for ns in by_device.values() for n in ns]
+    total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in in_order]), norm_type)
     return total, torch.stack([n.to(first) for n in norms])
 
 

@@ -14,7 +14,10 @@ from typing import Any
 
 import torch
 
+from .master_weights import PendingGradient
+
 __all__ = [
+    "check_",
     "clamp_nonfinite_",
     "fused_sgd_first_step",
     "group_grads",
@@ -42,7 +45,7 @@ def group_grads(
     fp16_params, bf16_params = [], []
     for group in optimizer.param_groups:
         for param in group["params"]:
-            if param.grad is None:
+            if param.grad is None or isinstance(param.grad, PendingGradient):  # (FP16, read apart)
                 continue
             if param.dtype == torch.float16 and not allow_fp16:
                 fp16_params.append(name_of(param, optimizer))
@@ -97,6 +100,26 @@ def unscale_and_check_(
     return found
 
 
+def check_(
+    grads: list[torch.Tensor],
+    found: dict[torch.device, torch.Tensor],
+    flag_for: Callable[[torch.device], torch.Tensor],
+    one: torch.Tensor,
+) -> None:
+    """Set each device's found-inf flag in `found` (made by `flag_for` for a device not there yet) where
+    one of `grads` holds inf/NaN, without changing them (multiplied by 1 in place: FP16 gradients of
+    master weights, which the step unscales in FP32)."""
+    by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
+    for g in grads:
+        by_device[g.device].append(g)
+    with torch.no_grad():
+        for device, tensors in by_device.items():
+            flag = found.get(device)
+            if flag is None:
+                flag = found[device] = flag_for(device)
+            torch._amp_foreach_non_finite_check_and_unscale_(tensors, flag, one.to(device, non_blocking=True))
+
+
 def max_over_ranks(
     found: dict[torch.device, torch.Tensor], device: torch.device, group: Any
 ) -> dict[torch.device, torch.Tensor]:
@@ -119,15 +142,20 @@ def clamp_nonfinite_(optimizer: torch.optim.Optimizer, limit: float) -> None:
                     torch.nan_to_num_(values, nan=0.0, posinf=limit, neginf=-limit)
 
 
-def fused_sgd_first_step(optimizer: torch.optim.Optimizer) -> bool:
-    """A fused SGD with momentum whose momentum buffers do not exist yet (its first step)."""
+def fused_sgd_first_step(
+    optimizer: torch.optim.Optimizer,
+    grad_of: Callable[[torch.optim.Optimizer, torch.Tensor], torch.Tensor | None] | None = None,
+) -> bool:
+    """A fused SGD with momentum whose momentum buffers do not exist yet (its first step); `grad_of`
+    reads a parameter's gradient (default: `.grad`)."""
     if not isinstance(optimizer, torch.optim.SGD):
         return False
+    grad_of = grad_of or (lambda opt, p: p.grad)
     return any(
         group.get("fused")
         and group["momentum"] != 0
         and any(
-            p.grad is not None and "momentum_buffer" not in optimizer.state.get(p, {})
+            grad_of(optimizer, p) is not None and "momentum_buffer" not in optimizer.state.get(p, {})
             for p in group["params"]
         )
         for group in optimizer.param_groups

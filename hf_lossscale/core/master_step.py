@@ -36,6 +36,7 @@ from torch.optim.sgd import sgd as _sgd
 
 __all__ = [
     "BUCKET_ELEMENTS",
+    "UPDATE_BUCKET",
     "Slot",
     "chunkable",
     "run_chunked",
@@ -43,9 +44,12 @@ __all__ = [
     "kahan_split",
 ]
 
-#: Elements per bucket of chunks (one FP32 gradient of this many elements lives at a time, plus the
-#: kernels' temporaries of the same size): 8 MiB of FP32.
+#: Elements per bucket of the gradient hand-over (8 MiB of FP32 at a time).
 BUCKET_ELEMENTS = 1 << 21
+#: The chunked update's buckets: a 64th of the group's elements (so its transients, an FP32 gradient
+#: chunk and the kernels' temporaries of the same size, stay a few percent of the model), within these
+#: bounds (fewer, larger calls on big models; not below 256 KiB of FP32 per call).
+UPDATE_BUCKET = (1 << 16, 1 << 24)
 #: A tensor is cut at multiples of this many elements: the CPU kernels' vector loops (and CUDA's
 #: vectorised loads) then cover the same elements as over the whole tensor, so the result is bitwise
 #: the whole tensor's (a cut mid-vector moves elements to the scalar tail, which rounds differently).
@@ -141,13 +145,16 @@ def run_chunked(
     slots: list[Slot],
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
-    bucket: int = BUCKET_ELEMENTS,
+    bucket: int | None = None,
 ) -> None:
     """The group's update of `slots`, bucket by bucket, with torch's functional kernels (the group's
     for-loop / foreach / fused choice, and `grad_scale`/`found_inf` as the scaler hands them to a fused
     optimizer). Each parameter's step counter moves once."""
     if not slots:
         return
+    if bucket is None:
+        low, high = UPDATE_BUCKET
+        bucket = min(high, max(low, sum(s.numel for s in slots) // 64))
     kind = _KINDS[type(optimizer)]
     if kind == "adam":
         states = {id(s.key): _adam_state(optimizer, group, s.key) for s in slots}

@@ -59,6 +59,7 @@ __all__ = [
     "masters_of",
     "half_of",
     "gradient_of",
+    "grad_for",
 ]
 
 HALF_DTYPES = (torch.float16,)
@@ -129,6 +130,65 @@ class GradientInMaster(torch.Tensor):
         return f"GradientInMaster(shape={tuple(self.shape)}, dtype={self.dtype}: the gradient is in the FP32 master)"
 
 
+class PendingGradient(torch.Tensor):
+    """What a master's `.grad` holds while its gradient waits in FP16 (`gather(defer=True)`): a 4-byte
+    stand-in (a broadcast view) of the right shape and dtype. Reading its values casts the FP16 gradient
+    into a real FP32 `.grad` first (times its factor: what `unscale_` and the clip made of it), so a
+    caller who reads the masters' gradients whole sees what it would see with FP32 weights; zeroing
+    it zeroes the pending gradient; the scaler and the chunked step read the FP16 one directly."""
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name == "__get__" and getattr(getattr(func, "__self__", None), "__name__", "") in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        if func in _METADATA_METHODS:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        if func in (torch.Tensor.requires_grad_, torch.Tensor.detach_):
+            return args[0]
+        if func is torch.Tensor.zero_:
+            _pending_pair(args[0], zero=True)
+            return args[0]
+        if func is torch._foreach_zero_:
+            plain = [t for t in args[0] if not isinstance(t, PendingGradient)]
+            for t in args[0]:
+                if isinstance(t, PendingGradient):
+                    _pending_pair(t, zero=True)
+            if plain:
+                torch._foreach_zero_(plain)
+            return None
+        args, kwargs = torch.utils._pytree.tree_map_only(PendingGradient, _real, (args, kwargs))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:
+        return f"PendingGradient(shape={tuple(self.shape)}: an FP16 gradient the step casts chunk by chunk)"
+
+
+def _pending_pair(marker: PendingGradient, zero: bool = False) -> _Pair | None:
+    pair = marker.__dict__.get("_hf_pair")
+    pair = pair() if pair is not None else None
+    if pair is None or pair.master.grad is not marker:
+        return None
+    if zero and pair.pending is not None:
+        pair.pending.zero_()
+    return pair
+
+
+def _real(marker: PendingGradient) -> torch.Tensor:
+    """The FP32 gradient a pending stand-in stands for, made real on its master (read whole)."""
+    pair = _pending_pair(marker)
+    if pair is None:
+        raise RuntimeError(
+            "This stand-in of a master's pending gradient is stale: read the master's `.grad` again."
+        )
+    pair.materialise()
+    return pair.master.grad
+
+
 def _zero_master_grad(marker: GradientInMaster) -> None:
     pair = marker.__dict__.get("_hf_pair")
     pair = pair() if pair is not None else None
@@ -175,8 +235,17 @@ class _Pair:
         """A pending FP16 gradient cast into the master's `.grad` (someone reads it whole)."""
         if self.pending is not None:
             with torch.no_grad():
-                self.master.grad = self.fp32_grad()
+                grad = self.fp32_grad()
             self.pending = self.factor = None
+            self.master.grad = grad
+
+    def defer(self, grad: torch.Tensor) -> None:
+        """Keep the FP16 gradient as it is; the master's `.grad` gets a stand-in (`PendingGradient`)."""
+        self.pending, self.factor = grad, None
+        base = torch.empty((), dtype=self.master.dtype, device=self.master.device)
+        stand_in = base.expand(self.master.shape).as_subclass(PendingGradient)
+        stand_in.__dict__["_hf_pair"] = weakref.ref(self)
+        self.master.grad = stand_in
 
     def drop(self) -> None:
         self.master.grad = None
@@ -401,8 +470,7 @@ class OptimizerMasters:
                 pair.on_top = False
                 pair.leave_marker()
             elif id(pair.master) in deferred:
-                pair.master.grad = None
-                pair.pending, pair.factor = grad, None
+                pair.defer(grad)
                 pair.on_top = False
                 pair.leave_marker()
             else:
@@ -985,6 +1053,20 @@ def gradient_of(param: torch.Tensor) -> torch.Tensor | None:
         pair = pair() if pair is not None else None
         return pair.fp32_grad() if pair is not None and pair.marker_is(grad) else None
     return grad
+
+
+def grad_for(optimizer: Any, param: torch.Tensor) -> torch.Tensor | None:
+    """The gradient one of the optimizer's parameters holds this step: its `.grad`, or, for a master
+    whose FP16 gradient was read but not cast (`prepare(defer=True)`), that FP16 gradient as it was read
+    (scaled; the step casts it times its factor)."""
+    grad = param.grad
+    if grad is not None and not isinstance(grad, PendingGradient):
+        return grad
+    found = masters_of(optimizer)
+    if found is None:
+        return None
+    pair = found.by_master.get(id(param))
+    return pair.pending if pair is not None and pair.master is param else None
 
 
 def half_of(optimizer: Any, param: torch.Tensor) -> torch.Tensor | None:

@@ -28,7 +28,7 @@ from . import grad_pass
 from . import update_rule as rule
 from .clip import total_norm
 from .config import LossScaleConfig
-from .master_weights import MasterWeights
+from .master_weights import MasterWeights, grad_for
 from .scaler_args import scaler_arguments
 from .scaler_observers import (
     LossScaleCollapseError,
@@ -298,8 +298,15 @@ class DynamicLossScaler(torch.amp.GradScaler):
             raise RuntimeError("unscale_() is being called after step().")
         # one op: FP32's reciprocal is correctly rounded, so it equals torch's `.double().reciprocal()
         # .float()` bitwise (rounding a correctly rounded FP64 quotient to FP32 is innocuous)
+        self._unscale(optimizer, state, defer=False)
+
+    def _unscale(self, optimizer: torch.optim.Optimizer, state: dict[str, Any], defer: bool) -> None:
+        """`unscale_`; `defer` (the step's own read): FP16 gradients of masters stay FP16 until the step
+        casts them chunk by chunk, times the scale's reciprocal (see `_read_grads`)."""
         inv_scale = torch.reciprocal(self._scale)
-        state["found_inf_per_device"] = self._read_grads(optimizer, inv_scale)
+        state["found_inf_per_device"] = self._read_grads(
+            optimizer, inv_scale, defer=defer, unscale_pending=True
+        )
         state["stage"] = OptState.UNSCALED
         if self.config.at_min_scale == "clamp":
             self._clamp_at_floor(optimizer, state)
@@ -310,6 +317,9 @@ class DynamicLossScaler(torch.amp.GradScaler):
         inv_scale: torch.Tensor,
         found_inf: torch.Tensor | None = None,
         allow_fp16: bool = False,
+        *,
+        defer: bool = False,
+        unscale_pending: bool = False,
     ) -> dict[torch.device, torch.Tensor]:
         """The one read of the gradients (`grad_pass`): unscale in place and fill one found-inf flag per
         device (no host sync), the masters gathered and the observers told first.
@@ -318,6 +328,11 @@ class DynamicLossScaler(torch.amp.GradScaler):
         for code that calls it) the flags accumulate into `found_inf` (a copy of it on other devices)
         without this iteration's loss flag, and `allow_fp16=True` unscales gradients of FP16
         parameters too; by default FP16 parameters are refused with an explanation.
+
+        `defer` (a read by `step()` or `clip_grad_norm_`, not by a caller of `unscale_`): the FP16
+        gradients of master weights whose update runs chunk by chunk are checked as they are (FP16,
+        multiplied by 1) and not cast: the step casts them a chunk at a time, times `inv_scale` when
+        `unscale_pending`, so no FP32 gradient exists for every parameter at once.
         """
 
         def flag_for(device: torch.device) -> torch.Tensor:
@@ -327,12 +342,17 @@ class DynamicLossScaler(torch.amp.GradScaler):
 
         # a non-finite loss poisoned its own gradients (see `scale`): the check sees it through them
         if not allow_fp16:
-            self._gather_masters(optimizer)  # the observers see the gradients the optimizer steps on
+            self._gather_masters(optimizer, defer)  # the observers see the gradients the optimizer steps on
         for observer in self._watchers():
             observer.before_unscale(self, optimizer)
         with torch.no_grad():
             grouped = grad_pass.group_grads(optimizer, self.parameter_names.name, allow_fp16)
         found = grad_pass.unscale_and_check_(grouped, inv_scale, flag_for)
+        pending = self.master_weights.pending(optimizer) if defer else []
+        if pending:
+            grad_pass.check_(pending, found, flag_for, self._constants(self._scale.device).one)
+            if unscale_pending:
+                self.master_weights.set_factor(optimizer, inv_scale)
         if not found:  # no gradients and no loss: a clean flag on the scale's device
             home = self._scale.device if self._scale is not None else inv_scale.device
             found[home] = flag_for(home)
@@ -340,16 +360,17 @@ class DynamicLossScaler(torch.amp.GradScaler):
             found = grad_pass.max_over_ranks(found, self._scale.device, self._found_inf_group)
         return found
 
-    def _gather_masters(self, optimizer: torch.optim.Optimizer) -> None:
+    def _gather_masters(self, optimizer: torch.optim.Optimizer, defer: bool = False) -> None:
         """With `config.master_weights`: FP32 masters for the optimizer's trainable FP16 parameters (at
-        its first step), and this iteration's FP16 gradients read into them (nothing when none)."""
+        its first step), and this iteration's FP16 gradients read into them (nothing when none);
+        `defer`: left FP16 where the step casts them chunk by chunk (`MasterWeights.prepare`)."""
         if self.config.master_weights is not False:
-            self.master_weights.prepare(optimizer)
+            self.master_weights.prepare(optimizer, defer and self.config.at_min_scale != "clamp")
 
     def _check(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
         """Check for inf/NaN without unscaling (fused optimizers unscale inside their kernel)."""
         self._require_init("step")
-        found = self._read_grads(optimizer, self._constants(self._scale.device).one)
+        found = self._read_grads(optimizer, self._constants(self._scale.device).one, defer=True)
         self._per_optimizer_states[id(optimizer)]["found_inf_per_device"] = found
         return found
 
@@ -369,7 +390,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         Returns what `optimizer.step()` returns (`None` when skipped).
         """
         if not self.is_enabled():  # no scaling; a model held in FP16 still steps on its masters
-            self._gather_masters(optimizer)
+            self._gather_masters(optimizer, defer=True)
             retval = optimizer.step(*args, **kwargs)
             self.master_weights.write_back(optimizer)
             return retval
@@ -416,7 +437,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
             else:  # already unscaled: the kernel must not divide again
                 grad_scale = getattr(optimizer, "grad_scale", None)
             found_inf = self._found_inf(optimizer)
-            if grad_pass.fused_sgd_first_step(optimizer) and found_inf.item():
+            if grad_pass.fused_sgd_first_step(optimizer, grad_for) and found_inf.item():
                 # torch's fused SGD skips a first step with its momentum buffers left uninitialised
                 # (empty_like), and the next step uses them: skip here instead. One host read per
                 # step, only until the buffers exist.
@@ -436,7 +457,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
             return retval
 
         if state["stage"] is OptState.READY:
-            self.unscale_(optimizer)
+            self._unscale(optimizer, state, defer=True)
         retval = None
         skipped = bool(self._found_inf(optimizer).item())  # the one host sync of the non-fused path
         self._before_step(optimizer, skipped)
@@ -517,43 +538,49 @@ class DynamicLossScaler(torch.amp.GradScaler):
         norm bitwise; those with gradients must be exactly the optimizer's parameters with gradients.
         """
         if self.state.materialised or not self.is_enabled():
-            self._gather_masters(optimizer)  # a model held in FP16: its gradients into the FP32 masters
+            # a model held in FP16: its gradients read for its masters (left FP16 where the step casts
+            # them chunk by chunk; the plain paths below cast them)
+            self._gather_masters(optimizer, defer=True)
         params = [p for group in optimizer.param_groups for p in group["params"]]
         if parameters is not None:  # the model's FP16 parameters: their masters
             parameters = [self.master_weights.master_of(optimizer, p) for p in parameters]
-            given = {id(p) for p in parameters if p.grad is not None}
-            if given != {id(p) for p in params if p.grad is not None}:
+            given = {id(p) for p in parameters if grad_for(optimizer, p) is not None}
+            if given != {id(p) for p in params if grad_for(optimizer, p) is not None}:
                 raise ValueError(
                     "clip_grad_norm_(parameters=...): the parameters with gradients must be exactly the "
                     "optimizer's parameters with gradients (it clips what this optimizer steps)."
                 )
             params = parameters
         if not self.is_enabled():
+            self.master_weights.materialise(optimizer)
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
         self._require_init("clip_grad_norm_")
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("clip_grad_norm_() is being called after step().")
         norm_type = float(norm_type)
-        with_grad = [p for p in params if p.grad is not None]
+        grads = [grad_for(optimizer, p) for p in params]
+        with_grad = [p for p, g in zip(params, grads, strict=True) if g is not None]
+        grads = [g for g in grads if g is not None]
         if (
             state["stage"] is OptState.UNSCALED
             or self.config.at_min_scale == "clamp"  # unscale_ clamps first: the clip sees the clamped values
             or norm_type not in (2.0, math.inf)
             or self._found_inf_group is not None
-            or any(p.grad.is_sparse for p in with_grad)
+            or any(g.is_sparse for g in grads)
         ):
             if state["stage"] is OptState.READY:
                 self.unscale_(optimizer)
             else:
                 self._apply_deferred_unscale(optimizer, state)
+            self.master_weights.materialise(optimizer)  # torch's clip reads every `.grad`
             return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
 
         grouped = grad_pass.group_grads(optimizer, self.parameter_names.name)  # refuses FP16 parameters
         for observer in self._watchers():  # the scaled gradients, as unscale_ shows them
             observer.before_unscale(self, optimizer)
         with torch.no_grad():
-            scaled_norm, per_tensor = total_norm([p.grad for p in with_grad], norm_type, foreach)
+            scaled_norm, per_tensor = total_norm(grads, norm_type, foreach)
             device = scaled_norm.device if with_grad else self._scale.device
             scale = self._scale.to(device, non_blocking=True)
             norm = scaled_norm.to(device) / scale  # exact for a power-of-two scale
@@ -576,8 +603,9 @@ class DynamicLossScaler(torch.amp.GradScaler):
                 # _apply_deferred_unscale; on an overflow then, unscaled only)
                 state["grad_scale"] = scale / coef
             else:
-                multiplier = coef / scale  # exact: a power-of-two scale divides without rounding
-                grad_pass.mul_grads_(grouped, torch.where(found > 0, one, multiplier), foreach)
+                multiplier = torch.where(found > 0, one, coef / scale)  # exact for a power-of-two scale
+                grad_pass.mul_grads_(grouped, multiplier, foreach)
+                self.master_weights.set_factor(optimizer, multiplier)  # FP16 ones: when the step casts them
         if per_tensor is not None and not _tracing_or_capturing():  # kept tensors mean nothing in a graph
             for observer in self._watchers():  # a norm is non-finite exactly when its gradient is
                 observer.on_norms(self, optimizer, with_grad, per_tensor)
@@ -590,6 +618,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         for a caller that reads or clips the gradients again before `step()`."""
         grad_scale = state.pop("grad_scale", None)
         if grad_scale is not None:
+            self.master_weights.materialise(optimizer)
             with torch.no_grad():
                 # an overflowing step's gradients are unscaled, not clipped (its divisor is inf or NaN)
                 found = self._found_inf(optimizer)

@@ -21,7 +21,7 @@ import torch
 
 from .events import EventSink
 from .hostcopy import HostCopy
-from .master_weights import half_of
+from .master_weights import grad_for, half_of
 from .overflow import display_origin
 from .scaler_state import PACKED
 
@@ -113,8 +113,9 @@ class ParameterNames:
         """(name, gradient) for each dense gradient of the optimizer; a DTensor's local shard."""
         for group in optimizer.param_groups:
             for param in group["params"]:
-                if param.grad is not None and not param.grad.is_sparse:
-                    yield self.name(param, optimizer), local(param.grad)
+                grad = grad_for(optimizer, param)  # a master's FP16 gradient not yet cast: as read
+                if grad is not None and not grad.is_sparse:
+                    yield self.name(param, optimizer), local(grad)
 
 
 def max_norms(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -278,10 +279,12 @@ class SkipWatch(ScalerObserver):
         if kept:
             params, norms = kept[-1]
         else:
-            params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+            params = [
+                p for g in optimizer.param_groups for p in g["params"] if grad_for(optimizer, p) is not None
+            ]
             if not params:
                 return
-            norms = max_norms([local(p.grad) for p in params])
+            norms = max_norms([local(grad_for(optimizer, p)) for p in params])
         self._pending.append((HostCopy(norms), optimizer, params))
         del self._pending[:-_MAX_PENDING_NAMES]
 
