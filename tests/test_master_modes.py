@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import warnings
+import weakref
 
 import pytest
 import torch
@@ -258,3 +259,66 @@ def test_the_environment_takes_the_modes():
     assert LossScaleConfig(**config_from_env(env)).master_weights == "stochastic_rounding"
     with pytest.raises(ValueError, match="master_weights='kahn'"):
         LossScaleConfig(master_weights="kahn")
+
+
+class _LiveFP32:
+    """The FP32 tensors made inside the mode that are alive at once (bytes; peak): a view or an in-place
+    result allocates nothing and is not counted."""
+
+    def __init__(self) -> None:
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        outer = self
+        self.live = self.peak = 0
+
+        class Mode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                out = func(*args, **(kwargs or {}))
+                leaves = torch.utils._pytree.tree_leaves((args, kwargs))
+                inputs = {t.untyped_storage().data_ptr() for t in leaves if isinstance(t, torch.Tensor)}
+                for t in torch.utils._pytree.tree_leaves(
+                    out
+                ):  # new storage only (no view, no in-place result)
+                    if (
+                        isinstance(t, torch.Tensor)
+                        and t.dtype == torch.float32
+                        and t.untyped_storage().data_ptr() not in inputs
+                    ):
+                        size = t.untyped_storage().nbytes()
+                        outer.live += size
+                        outer.peak = max(outer.peak, outer.live)
+                        weakref.finalize(t, outer._freed, size)
+                return out
+
+        self.mode = Mode()
+
+    def _freed(self, size: int) -> None:
+        self.live -= size
+
+
+@pytest.mark.parametrize("mode", ["masters", "kahan", "stochastic_rounding"])
+@pytest.mark.parametrize("clip", [False, True])
+@pytest.mark.parametrize("fused", [False, True])
+def test_no_step_holds_an_fp32_gradient_for_every_parameter(mode, clip, fused):
+    """The memory floor: the scaler's own read and the step cast the FP16 gradients a bucket at a time;
+    the FP32 tensors alive at once during clip + step stay a small share of 4 bytes per parameter (the
+    old hand-over cast all of them: 100%). The weights still equal FP32 masters' to the bit (the
+    differential test holds that; here: the step moved them)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(512, 512) for _ in range(16))).half()
+    n = sum(p.numel() for p in model.parameters())
+    scaler = DynamicLossScaler(config=LossScaleConfig(master_weights=True if mode == "masters" else mode))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused or None)
+    x = torch.randn(4, 512).half()
+    for _ in range(2):  # the second step: the moments exist, the first made them
+        scaler.scale(model(x).float().pow(2).mean()).backward()
+        before = [p.detach().clone() for p in model.parameters()]
+        live = _LiveFP32()
+        with live.mode:
+            if clip:
+                scaler.clip_grad_norm_(opt, 1.0)
+            scaler.step(opt)
+        scaler.update()
+        opt.zero_grad()
+    assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
+    assert live.peak < 0.15 * 4 * n, f"{live.peak / (4 * n):.0%} of the FP32 gradients alive at once"

@@ -296,13 +296,13 @@ class DynamicLossScaler(torch.amp.GradScaler):
             )
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("unscale_() is being called after step().")
-        # one op: FP32's reciprocal is correctly rounded, so it equals torch's `.double().reciprocal()
-        # .float()` bitwise (rounding a correctly rounded FP64 quotient to FP32 is innocuous)
         self._unscale(optimizer, state, defer=False)
 
     def _unscale(self, optimizer: torch.optim.Optimizer, state: dict[str, Any], defer: bool) -> None:
         """`unscale_`; `defer` (the step's own read): FP16 gradients of masters stay FP16 until the step
         casts them chunk by chunk, times the scale's reciprocal (see `_read_grads`)."""
+        # one op: FP32's reciprocal is correctly rounded, so it equals torch's `.double().reciprocal()
+        # .float()` bitwise (rounding a correctly rounded FP64 quotient to FP32 is innocuous)
         inv_scale = torch.reciprocal(self._scale)
         state["found_inf_per_device"] = self._read_grads(
             optimizer, inv_scale, defer=defer, unscale_pending=True
