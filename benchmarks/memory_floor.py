@@ -33,7 +33,10 @@ from pathlib import Path
 
 CHILD = r"""
 import json, sys
+import time
 import torch, transformers
+spec = json.loads(sys.argv[1])
+cuda = spec.get("device") == "cuda"
 def status(key):
     for line in open("/proc/self/status"):
         if line.startswith(key):
@@ -41,9 +44,21 @@ def status(key):
 def reset_peak():  # Linux: VmHWM back to the current resident size
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
-spec = json.loads(sys.argv[1])
+def reset_phase():
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    else:
+        reset_peak()
+def phase_peak():  # what the phase held at its peak, above the baseline
+    if cuda:
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - base
+    return status("VmHWM") - base
 torch.manual_seed(0)
 torch.set_num_threads(1)
+if cuda:
+    torch.set_default_device("cuda")
 # the kernels' code and workspaces loaded before the baseline (a constant, not per parameter)
 from hf_lossscale import DynamicLossScaler, LossScaleConfig
 for _dt in (torch.float32, torch.float16):
@@ -56,7 +71,7 @@ for _dt in (torch.float32, torch.float16):
         _s.update()
         _o.zero_grad()
 del _m, _s, _o
-base = status("VmRSS")
+base = torch.cuda.memory_allocated() if cuda else status("VmRSS")
 dtype = torch.float32 if spec["weights"] == "fp32" else torch.float16
 torch.set_default_dtype(dtype)  # built in its dtype: no FP32 copy on the way
 if spec["model"] == "mlp":
@@ -86,15 +101,19 @@ opt = {
 }[spec["optimizer"]]()
 grads = 0
 peak_backward = peak_step = 0
-for _ in range(3):
-    reset_peak()
+step_s = []
+for i in range(10 if cuda else 3):
+    reset_phase()
     scaler.scale(loss_fn()).backward()
-    peak_backward = max(peak_backward, status("VmHWM") - base)
+    peak_backward = max(peak_backward, phase_peak())
     grads = max(grads, sum(p.grad.numel() * p.grad.element_size() for p in params if p.grad is not None))
-    reset_peak()
+    reset_phase()
+    start = time.perf_counter()
     scaler.step(opt)
     scaler.update()
-    peak_step = max(peak_step, status("VmHWM") - base)
+    peak_step = max(peak_step, phase_peak())  # (synchronises on CUDA)
+    if i > 0:
+        step_s.append(time.perf_counter() - start)
     opt.zero_grad()
 n = sum(p.numel() for p in model.parameters())
 ours = ("hf_lossscale_master", "hf_lossscale_compensation", "hf_lossscale_rng")
@@ -105,6 +124,7 @@ held = scaler.master_weights.bytes()
 print(json.dumps({**spec, "parameters": n, "weights_bytes": weights, "grads_bytes": grads, "optimizer_bytes": state,
     "held_bytes": held, "tensor_bytes_per_param": (weights + grads + state + held) / n,
     "peak_backward_bytes_per_param": peak_backward / n, "peak_step_bytes_per_param": peak_step / n,
+    "step_ms": 1000 * sorted(step_s)[len(step_s) // 2], "device": "cuda" if cuda else "cpu",
     "skipped": scaler.stats()["skipped_steps"]}))
 """
 
@@ -125,7 +145,7 @@ def _has_minilm() -> bool:
     return True
 
 
-def rows(models: tuple[str, ...], optimizers: tuple[str, ...]) -> list[dict]:
+def rows(models: tuple[str, ...], optimizers: tuple[str, ...], device: str = "cpu") -> list[dict]:
     out = []
     for model in models:
         if model == "minilm" and not _has_minilm():
@@ -133,7 +153,7 @@ def rows(models: tuple[str, ...], optimizers: tuple[str, ...]) -> list[dict]:
             continue
         for optimizer in optimizers:
             for weights in WEIGHTS:
-                spec = {"model": model, "weights": weights, "optimizer": optimizer}
+                spec = {"model": model, "weights": weights, "optimizer": optimizer, "device": device}
                 proc = subprocess.run([sys.executable, "-c", CHILD, json.dumps(spec)], capture_output=True, text=True,
                                       env={**os.environ, **CHILD_ENV}, timeout=1800)  # fmt: skip
                 if proc.returncode:
@@ -152,14 +172,14 @@ def rows(models: tuple[str, ...], optimizers: tuple[str, ...]) -> list[dict]:
 def table(results: list[dict]) -> str:
     lines = [
         "| model | optimizer | weights | bytes/param from the tensors | peak resident, forward + backward | "
-        "peak resident, optimizer step |",
-        "|---|---|---|---|---|---|",
+        "peak resident, optimizer step | step (ms) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in results:
         lines.append(
             f"| {r['model']} ({r['parameters'] / 1e6:.1f}M) | {r['optimizer']} | {r['weights']} | "
             f"{r['tensor_bytes_per_param']:.2f} | {r['peak_backward_bytes_per_param']:.2f} | "
-            f"{r['peak_step_bytes_per_param']:.2f} |"
+            f"{r['peak_step_bytes_per_param']:.2f} | {r['step_ms']:.1f} |"
         )
     return "\n".join(lines)
 
@@ -170,11 +190,15 @@ def main(argv=None) -> int:
     )
     parser.add_argument("--out", default=None, help="JSON results; a Markdown table is written beside it.")
     parser.add_argument("--quick", action="store_true", help="the MLP with fused AdamW only")
+    parser.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu",
+        help="cuda: the peaks from torch.cuda.max_memory_allocated (per phase), and the step's time",
+    )  # fmt: skip
     opts = parser.parse_args(argv)
-    signal.signal(
-        signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum)
-    )  # as Ctrl-C: the child dies too
-    results = rows(("mlp",), ("adamw_fused",)) if opts.quick else rows(MODELS, OPTIMIZERS)
+    # SIGTERM as Ctrl-C: subprocess.run then kills the running child before the exit
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    models, optimizers = (("mlp",), ("adamw_fused",)) if opts.quick else (MODELS, OPTIMIZERS)
+    results = rows(models, optimizers, opts.device)
     print(table(results))
     if opts.out:
         out = Path(opts.out)

@@ -154,6 +154,9 @@ def test_stochastic_rounding_is_unbiased_and_seeded():
     assert set(r.float().unique().tolist()) == {1.0, 1.0 + 2.0**-10}
     share = (r.float() > 1.0).double().mean().item()
     assert abs(share - 0.3) < 0.005  # 5 sigma at n = 2e5 is 0.005
+    tiny = torch.full((200_000,), -(2.0**-24) * 3.37)  # FP16's subnormal range (spacing 2^-24)
+    share = (round_stochastic(tiny, g).float() == -(2.0**-24) * 4).double().mean().item()
+    assert abs(share - 0.37) < 0.006  # the others round to -3 x 2^-24
     again = round_stochastic(x, torch.Generator().manual_seed(0))
     assert torch.equal(r, again)
     assert not torch.equal(r, round_stochastic(x, torch.Generator().manual_seed(1)))

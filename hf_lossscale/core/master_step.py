@@ -272,15 +272,22 @@ def kahan_split(value: torch.Tensor, weight: torch.Tensor, compensation: torch.T
 
 def round_stochastic(value: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """FP32 `value` rounded to FP16 stochastically: to the FP16 neighbour above or below with the
-    probability that makes the rounding unbiased (E[round(x)] = x, for x within FP16's range). Values
-    that round to inf or NaN are rounded to nearest."""
-    nearest = value.half()
-    back = nearest.float()
-    diff = value - back  # exact (Sterbenz): the two are within one FP16 ulp
-    toward = torch.where(diff > 0, float("inf"), float("-inf")).to(torch.float16)
-    other = torch.nextafter(nearest, toward)
-    gap = other.float() - back
-    prob = torch.where(diff != 0, diff / gap, 0.0)  # in [0, 1/2]
-    draw = torch.rand(value.shape, generator=generator, device=value.device, dtype=torch.float32)
-    take = (draw < prob) & torch.isfinite(other) & torch.isfinite(nearest)
-    return torch.where(take, other, nearest)
+    probability that makes the rounding unbiased (E[round(x)] = x, to 2^-13 of the spacing), for x
+    within FP16's range; beyond it, and for inf and NaN, as round to nearest.
+
+    13 random bits per element (two elements per 32-bit draw of `generator`): in FP16's normal range
+    they are added below the 10 mantissa bits FP16 keeps, and the 13 bits cut (a carry reaches the
+    next FP16 value with the probability the cut bits give); in its subnormal range (|x| < 2^-14,
+    spacing 2^-24) x / 2^-24 is rounded to an integer the same way. No comparison of neighbours."""
+    flat = value.contiguous().view(-1)
+    n = flat.numel()
+    draws = torch.randint(
+        0, 1 << 26, ((n + 1) // 2,), generator=generator, device=value.device, dtype=torch.int32
+    )
+    bits = torch.stack((draws & 0x1FFF, draws >> 13), dim=1).view(-1)[:n]
+    normal = ((flat.view(torch.int32) + bits) & ~0x1FFF).view(torch.float32)
+    subnormal = torch.floor(flat * 2.0**24 + bits.float() * 2.0**-13) * 2.0**-24
+    out = torch.where(flat.abs() < 2.0**-14, subnormal, normal)
+    # beyond FP16's largest value (a carry past it, inf, NaN): the value itself, rounded to nearest
+    out = torch.where((out.abs() <= 65504.0) & torch.isfinite(flat), out, flat)
+    return out.half().view(value.shape)
