@@ -12,7 +12,8 @@
 # tool): cuda_tests.txt, gpu_check.json, step_overhead.json, demo_summary.md, demo_metrics.json,
 # demo_long_summary.md, demo_long_metrics.json, fp32_module_cost.json, op_count.json. The time
 # boxes add up to 600 s at most (GPU_CHECK_STEPS picks steps for a rerun); measured runs are shorter.
-# Steps 8 and 9 run only when asked for (GPU_CHECK_STEPS="1 8": 80 + 430 s; "9": 215 s). Step 8 needs
+# Steps 8, 9 and 10 run only when asked for (GPU_CHECK_STEPS="1 8": 80 + 430 s; "9": 215 s; "10":
+# 200 s: the memory floor of issue 49, memory_floor_cuda.json and .md). Step 8 needs
 # the data (`gpu_prepare.py --data`), step 9 TRL (`gpu_prepare.py`, the default): one call carries one.
 #   1. the CUDA tests (pytest -m cuda): among them no host sync under
 #      torch.cuda.set_sync_debug_mode("error") on the fused path (tests/test_scaler.py) and through
@@ -154,11 +155,16 @@ if [ "$CUDA" = 1 ]; then
   step "9. GRPO: FP32, FP16 + dynamic, BF16 on CUDA" 215 env TRL_EXPERIMENTAL_SILENCE=1 "$PY" benchmarks/grpo_compare.py \
     --jobs 9 --output_dir /tmp/grpo --results_name grpo_h200 ${MINILM_PATH:+-- --tokenizer_name_or_path "$MINILM_PATH"}
   cp benchmarks/results/grpo/grpo_h200.json benchmarks/results/grpo/grpo_h200.md "$OUT/" 2>/dev/null
+  # FP16 weights at the memory floor and below it (issue 49): the optimizer step's peak from the CUDA
+  # allocator per phase and its time, FP32 weights / masters / Kahan / stochastic rounding, on every
+  # optimizer path, with the MLP, MiniLM-L6 and GPT-2 124M (no CPU matmul buffers on CUDA)
+  step "10. memory floor on CUDA" 200 "$PY" benchmarks/memory_floor.py --device cuda --models mlp gpt2-124m \
+    --out "$OUT/memory_floor_cuda.json"
 else
   skip "1. CUDA tests"; skip "2. emulation vs CUDA autocast"; skip "3. clip table and step overhead"
   skip "4. demo with real CUDA FP16"; skip "5. demo, 400 steps (40x longer)"
   skip "6. one module in FP32: memory and time on CUDA"; skip "7. ops, kernels and time per step on CUDA"
-  skip "8. reproduced benchmarks with master weights"; skip "9. GRPO on CUDA"
+  skip "8. reproduced benchmarks with master weights"; skip "9. GRPO on CUDA"; skip "10. memory floor on CUDA"
 fi
 results=$(cd "$OUT" && ls | grep -v -e '^summary.txt$' -e '^results.tar.gz$')
 packed="nothing else"

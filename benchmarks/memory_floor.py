@@ -194,10 +194,11 @@ def main(argv=None) -> int:
         "--device", choices=["cpu", "cuda"], default="cpu",
         help="cuda: the peaks from torch.cuda.max_memory_allocated (per phase), and the step's time",
     )  # fmt: skip
+    parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     opts = parser.parse_args(argv)
     # SIGTERM as Ctrl-C: subprocess.run then kills the running child before the exit
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    models, optimizers = (("mlp",), ("adamw_fused",)) if opts.quick else (MODELS, OPTIMIZERS)
+    models, optimizers = (("mlp",), ("adamw_fused",)) if opts.quick else (tuple(opts.models), OPTIMIZERS)
     results = rows(models, optimizers, opts.device)
     print(table(results))
     if opts.out:
