@@ -28,8 +28,9 @@
 #   7. ops per step on CUDA, and kernels and time per whole step on a small MLP (the launch-bound
 #      case), eager and captured in a CUDA graph, no scaler / torch / ours (benchmarks/op_count.py);
 #   8. the reproduced benchmarks shakespeare-clm and sst2 (benchmarks/reproduce/run.py), three seeds,
-#      FP32 / FP16 autocast + dynamic / FP16 weights + FP32 masters / FP16 weights without masters,
-#      six runs at a time on the one GPU: results/<name>-h200.json (data from .whl/data.tar.gz);
+#      FP32 / FP16 autocast + dynamic / FP16 weights + FP32 masters / + Kahan compensation / with
+#      stochastic rounding / FP16 weights without masters, nine runs at a time on the one GPU:
+#      results/<name>-h200.json (data from .whl/data.tar.gz);
 #   9. the GRPO comparison (benchmarks/grpo_compare.py): FP32 / FP16 + dynamic / BF16, three seeds,
 #      nine runs at once, with native CUDA FP16 and BF16: grpo_h200.json and .md.
 # Without a GPU every CUDA step says "skipped: no GPU"; nothing is reported as passed that did not run.
@@ -146,8 +147,8 @@ if [ "$CUDA" = 1 ]; then
   if [ -f "$WHEELS/data.tar.gz" ]; then mkdir -p /tmp/data && tar xzf "$WHEELS/data.tar.gz" -C /tmp/data; fi
   for bench_limit in shakespeare-clm:150 sst2:280; do
     bench=${bench_limit%%:*}
-    step "8. reproduced benchmark $bench: fp32, dynamic, master, pure" "${bench_limit##*:}" "$PY" \
-      benchmarks/reproduce/run.py "$bench" --settings fp32,dynamic,master,pure --jobs 6 --data_dir /tmp/data \
+    step "8. reproduced benchmark $bench: fp32, dynamic, master, kahan, stochastic, pure" "${bench_limit##*:}" "$PY" \
+      benchmarks/reproduce/run.py "$bench" --settings fp32,dynamic,master,kahan,stochastic,pure --jobs 9 --data_dir /tmp/data \
       --results_name "$bench-h200" --output_dir "/tmp/reproduce/$bench" ${MINILM_PATH:+-- --model_name_or_path "$MINILM_PATH"}
     cp "benchmarks/reproduce/results/$bench-h200.json" "$OUT/" 2>/dev/null
     [ -f "/tmp/reproduce/$bench/summary.md" ] && cp "/tmp/reproduce/$bench/summary.md" "$OUT/$bench-h200-summary.md"
