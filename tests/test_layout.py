@@ -211,3 +211,21 @@ def test_no_import_circles_outside_the_scaler_and_its_observers():
     }
     assert "run" not in imported["table"] and "suite" in imported["table"] and "table" in imported["run"]
     assert not {"run", "table"} & imported["suite"]
+
+
+#: The code of each shared helper, and the one module that holds it (issue 46: each existed 2-3 times).
+ONE_HOME = {
+    "ReduceOp.MAX": "core/distributed.py",  # all_reduce_max
+    ".to_local()": "core/distributed.py",  # local_shard
+    'hasattr(tensor, "device_mesh")': "core/distributed.py",  # is_dtensor
+    '"optimizer", None), torch.optim.Optimizer)': "core/optimizer_wrappers.py",  # inner_optimizer
+    "register_full_backward_hook": "core/module_hooks.py",  # ModuleHooks
+}
+
+
+@pytest.mark.parametrize("code", sorted(ONE_HOME))
+def test_each_shared_helper_has_one_home(code):
+    """Bug caught: a second all-reduce, DTensor check, optimizer unwrapper or module-hook walker written
+    beside the one in core/ (they drift: one unwrapped Accelerate's wrapper by class, one by attribute)."""
+    holders = sorted(str(p.relative_to(PKG)) for p in PKG.rglob("*.py") if code in p.read_text())
+    assert holders == [ONE_HOME[code]]

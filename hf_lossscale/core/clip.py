@@ -18,13 +18,15 @@ from torch.utils._foreach_utils import (
     _has_foreach_support,
 )
 
+from .distributed import is_dtensor
+
 
 def total_norm(
     grads: list[torch.Tensor], norm_type: float, foreach: bool | None = None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     if not grads:
         return torch.tensor(0.0), None
-    if any(_is_dtensor(g) for g in grads):
+    if any(is_dtensor(g) for g in grads):
         return _dtensor_total_norm(grads, norm_type, foreach), None
     if any(g.dtype == torch.float16 for g in grads):
         return _with_fp16(grads, norm_type, foreach)
@@ -86,16 +88,12 @@ def _with_fp16(
     return total, torch.stack([n.to(first) for n in norms])
 
 
-def _is_dtensor(tensor: torch.Tensor) -> bool:
-    return hasattr(tensor, "device_mesh") and hasattr(tensor, "full_tensor")
-
-
 def _dtensor_total_norm(grads: list[torch.Tensor], norm_type: float, foreach: bool | None) -> torch.Tensor:
     from torch.nn.utils import get_total_norm
 
     by_mesh: dict = defaultdict(list)
     for g in grads:
-        by_mesh[g.device_mesh if _is_dtensor(g) else None].append(g)
+        by_mesh[g.device_mesh if is_dtensor(g) else None].append(g)
     norms = [get_total_norm(gs, norm_type, foreach=foreach) for gs in by_mesh.values()]
-    norms = [n.full_tensor() if _is_dtensor(n) else n for n in norms]
+    norms = [n.full_tensor() if is_dtensor(n) else n for n in norms]
     return torch.linalg.vector_norm(torch.stack(norms), norm_type)

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .distributed import all_reduce_max
 from .master_weights import PendingGradient
 
 __all__ = [
@@ -125,10 +126,7 @@ def max_over_ranks(
 ) -> dict[torch.device, torch.Tensor]:
     """One flag on `device`: the maximum over `found`'s devices and over the ranks of `group` (one
     all-reduce, queued on the device), so every rank skips and backs off together."""
-    import torch.distributed as dist
-
-    flag = torch.stack([f.reshape(()).to(device) for f in found.values()]).amax()
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    flag = all_reduce_max(torch.stack([f.reshape(()).to(device) for f in found.values()]).amax(), group)
     return {flag.device: flag}
 
 

@@ -49,6 +49,7 @@ from typing import Any
 import torch
 
 from .master_step import BUCKET_ELEMENTS, Slot, chunkable, kahan_split, round_stochastic, run_chunked
+from .optimizer_wrappers import inner_optimizer as _inner
 
 __all__ = [
     "MasterWeights",
@@ -1073,10 +1074,3 @@ def half_of(optimizer: Any, param: torch.Tensor) -> torch.Tensor | None:
     """The FP16 parameter whose master `param` is, in this optimizer (None otherwise)."""
     found = masters_of(optimizer)
     return found.half_of(param) if found is not None else None
-
-
-def _inner(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch optimizer inside Accelerate's `AcceleratedOptimizer` (or the optimizer itself)."""
-    while isinstance(getattr(optimizer, "optimizer", None), torch.optim.Optimizer):
-        optimizer = optimizer.optimizer
-    return optimizer

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from .module_hooks import ModuleHooks
 from .telemetry import FP16_MAX
 
 __all__ = ["find_overflow_origin", "display_origin", "floating_tensors", "rng_state"]
@@ -150,17 +151,15 @@ def _replay(model, names, batch, loss_fn, context, scale, state=None):
     order: list[tuple[str, bool, bool]] = []  # (module, output grad fits FP16, input grad finite)
     settled = [False]  # a module with fine output and bad input gradients fired: the rest need no check
 
-    def after_forward(module, args, kwargs, output):
-        name = names[module]
+    def after_forward(name, module, args, kwargs, output):
         outs = floating_tensors(output)
         out_fp16[name] = any(_is_fp16(t) for t in outs)
         if not forward and not _finite(outs) and _finite(floating_tensors(args) + floating_tensors(kwargs)):
             forward.append(name)
 
-    def after_backward(module, grad_input, grad_output):
+    def after_backward(name, module, grad_input, grad_output):
         if settled[0]:
             return
-        name = names[module]
         outs = [g for g in grad_output if g is not None]
         # within 65504 is finite too: one pass where the output is FP16
         out_ok = _fits_fp16(outs) if out_fp16.get(name) else _finite(outs)
@@ -178,10 +177,8 @@ def _replay(model, names, batch, loss_fn, context, scale, state=None):
             forward.clear()
             order.clear()
             settled[0] = False
-            handles = [m.register_forward_hook(after_forward, with_kwargs=True) for m in names]
-            if backward_hooks:
-                handles += [m.register_full_backward_hook(after_backward) for m in names]
-            try:
+            backward = after_backward if backward_hooks else None
+            with ModuleHooks(model, forward=after_forward, with_kwargs=True, backward=backward):
                 _set_rng_state(state)
                 with context():
                     loss = loss_fn(model, batch)
@@ -189,9 +186,6 @@ def _replay(model, names, batch, loss_fn, context, scale, state=None):
                     if forward or not finite:
                         return finite, None
                     return finite, torch.autograd.grad(loss.float() * scale, params, allow_unused=True)
-            finally:
-                for h in handles:
-                    h.remove()
 
         try:
             loss_finite, grads = run(backward_hooks=True)

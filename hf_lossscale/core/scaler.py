@@ -28,6 +28,7 @@ from . import grad_pass
 from . import update_rule as rule
 from .clip import total_norm
 from .config import LossScaleConfig
+from .distributed import world_size
 from .master_weights import MasterWeights, grad_for
 from .scaler_args import scaler_arguments
 from .scaler_observers import (
@@ -669,7 +670,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
                 "each optimizer of the iteration before update()."
             )
         found_f = torch.stack(flags).amax() if len(flags) > 1 else flags[0]
-        distributed = rule.world_size(self._found_inf_group) > 1
+        distributed = world_size(self._found_inf_group) > 1
         fast_rule = c.mode != "dynamic" or rule.torch_rule_applies(c)  # else the general one
         host_known = last.skipped_if_known is not None and fast_rule
         k = self._constants(found_f.device)
@@ -732,7 +733,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
         """Events the observers queued since the last call (`floor`, `collapse_warning`), for an event
         log; each without `step` (the caller knows it)."""
         self._catch_up()
-        return [e for o in self._watchers() if hasattr(o, "drain_events") for e in o.drain_events()]
+        return [e for o in self._watchers() for e in o.drain_events()]
 
     @property
     def overflow_params(self) -> list[str]:

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from .distributed import local_shard
 from .events import EventSink
 from .hostcopy import HostCopy
 from .master_weights import grad_for, half_of
@@ -115,7 +116,7 @@ class ParameterNames:
             for param in group["params"]:
                 grad = grad_for(optimizer, param)  # a master's FP16 gradient not yet cast: as read
                 if grad is not None and not grad.is_sparse:
-                    yield self.name(param, optimizer), local(grad)
+                    yield self.name(param, optimizer), local_shard(grad)
 
 
 def max_norms(grads: list[torch.Tensor]) -> torch.Tensor:
@@ -150,11 +151,6 @@ def nonfinite_flags(grads: list[torch.Tensor]) -> torch.Tensor:
     """One bool per gradient, in order, on the first one's device: does it hold inf/NaN? From
     `max_norms` (x * 0 is NaN exactly when x is inf/NaN); an empty gradient counts as finite. No host sync."""
     return max_norms(grads).mul(0).ne(0)
-
-
-def local(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard (FSDP2), else the tensor itself."""
-    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
 
 
 class ScalerObserver:
@@ -284,7 +280,7 @@ class SkipWatch(ScalerObserver):
             ]
             if not params:
                 return
-            norms = max_norms([local(grad_for(optimizer, p)) for p in params])
+            norms = max_norms([local_shard(grad_for(optimizer, p)) for p in params])
         self._pending.append((HostCopy(norms), optimizer, params))
         del self._pending[:-_MAX_PENDING_NAMES]
 

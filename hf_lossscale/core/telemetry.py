@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from .module_hooks import ModuleHooks
+
 __all__ = [
     "BUCKETS",
     "FP16_MAX",
@@ -248,20 +250,15 @@ class ActivationGradientProbe:
         keys = {module_key(n) for n, p in model.named_parameters() if p.requires_grad}
         self.counts: dict[str, torch.Tensor] = {}
         self.amax: dict[str, torch.Tensor] = {}
-        self._handles = [
-            m.register_forward_hook(self._forward_hook(n)) for n, m in model.named_modules() if n in keys
-        ]
+        self._hooks = ModuleHooks(model, forward=self._after_forward, where=keys.__contains__)
 
-    def _forward_hook(self, name: str):
-        def hook(module, args, output):
-            if not self.active or not torch.is_grad_enabled():
-                return
-            tensor = _first_output_tensor(output)
-            if tensor is not None and tensor.requires_grad:
-                record = self.on_gradient or self._record
-                tensor.register_hook(lambda grad: record(name, grad))
-
-        return hook
+    def _after_forward(self, name: str, module: torch.nn.Module, args: Any, output: Any) -> None:
+        if not self.active or not torch.is_grad_enabled():
+            return
+        tensor = _first_output_tensor(output)
+        if tensor is not None and tensor.requires_grad:
+            record = self.on_gradient or self._record
+            tensor.register_hook(lambda grad: record(name, grad))
 
     def _record(self, name: str, grad: torch.Tensor) -> None:
         flat = grad.detach().reshape(-1)
@@ -294,9 +291,7 @@ class ActivationGradientProbe:
         return out
 
     def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
+        self._hooks.remove()
 
 
 def _first_output_tensor(output: Any) -> torch.Tensor | None:

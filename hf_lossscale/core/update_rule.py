@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from .config import SCALE_MAX
+from .distributed import all_reduce_max
 
 if TYPE_CHECKING:
     from .config import LossScaleConfig
@@ -32,7 +33,6 @@ __all__ = [
     "apply_rule",
     "clamp_growth_tracker",
     "torch_rule_applies",
-    "world_size",
 ]
 
 
@@ -124,15 +124,6 @@ class StepOutcome:
         return self._backed_off
 
 
-def world_size(group: Any = None) -> int:
-    """The number of ranks in `group` (the world by default); 1 without an initialised process group."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return 1
-    return dist.get_world_size(group)
-
-
 def _power_of_two(x: float) -> bool:
     mantissa, _ = math.frexp(x)
     return x > 0 and mantissa == 0.5
@@ -169,15 +160,12 @@ def all_ranks_loss_flag(loss_bad: torch.Tensor | None, device: torch.device, gro
     sync. Under DDP one rank's non-finite loss makes every rank's gradients non-finite; without this,
     that rank would spare the scale while the others back off, and the replicas' scales (and later
     their skips) would drift apart. Every rank takes part, with 0 when it saw no loss."""
-    import torch.distributed as dist
-
     flag = (
         torch.zeros((), dtype=torch.float32, device=device)
         if loss_bad is None
         else loss_bad.to(torch.float32)
     )
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-    return flag > 0
+    return all_reduce_max(flag, group) > 0
 
 
 def _overflow_buffer(state: ScalerState) -> torch.Tensor:

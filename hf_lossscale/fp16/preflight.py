@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from ..core.module_hooks import ModuleHooks
 from ..core.overflow import find_overflow_origin, floating_tensors
 from ..core.telemetry import FP16_MAX
 from .advise import FP16_TINY, recommended_scale
@@ -52,8 +53,7 @@ def _fp32_stats(model, batches, loss_fn, loss_divisor) -> tuple[dict[str, dict[s
 
         return hook
 
-    def after_forward(module, args, output):
-        name = names[module]
+    def after_forward(name, module, args, output):
         s = stats.setdefault(
             name, {"act_max": 0.0, "grad_max": 0.0, "grad_min": math.inf, "type": type(module).__name__}
         )
@@ -63,18 +63,13 @@ def _fp32_stats(model, batches, loss_fn, loss_divisor) -> tuple[dict[str, dict[s
             if t.requires_grad:
                 t.register_hook(record_grad(name))
 
-    names = {m: n for n, m in model.named_modules() if n}
-    handles = [m.register_forward_hook(after_forward) for m in names]
     losses = []
     params = [p for p in model.parameters() if p.requires_grad]
-    try:
+    with ModuleHooks(model, forward=after_forward, where=bool):  # every submodule, not the model itself
         for batch in batches:
             loss = loss_fn(model, batch)
             losses.append(float(loss.detach()))
             torch.autograd.grad(loss / loss_divisor, params, allow_unused=True)
-    finally:
-        for h in handles:
-            h.remove()
     return stats, losses
 
 

@@ -34,6 +34,7 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType, convert_outputs_to_fp32
 
 from ..core.config import LossScaleConfig, resolve_config
+from ..core.optimizer_wrappers import inner_optimizer
 from ..core.scaler import DynamicLossScaler
 from ..core.scaler_observers import ScalerObserver
 from ..fp16.emulation import fp16_emulation
@@ -48,7 +49,6 @@ __all__ = [
     "effective_mixed_precision",
     "fp16_context",
     "fp16_kind",
-    "inner_optimizer",
     "plain_forward",
     "needs_found_inf_sync",
 ]
@@ -538,13 +538,6 @@ def _route_clip(accelerator: Accelerator) -> None:
         return original_value(_as_masters(accelerator, list(parameters)), clip_value)
 
     accelerator.clip_grad_value_ = clip_grad_value_
-
-
-def inner_optimizer(optimizer: Any) -> torch.optim.Optimizer:
-    """The torch optimizer inside Accelerate's `AcceleratedOptimizer` wrappers (or the optimizer itself)."""
-    while isinstance(optimizer, AcceleratedOptimizer):
-        optimizer = optimizer.optimizer
-    return optimizer
 
 
 def _single_optimizer_of(accelerator: Accelerator, parameters: list[torch.Tensor]) -> Any:
