@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 from tiny_models import minilm_path
-from transformers import TrainerCallback
+from transformers import Trainer, TrainerCallback
 
 pytest.importorskip("trl")
 
@@ -546,6 +546,30 @@ def test_async_grpo_is_refused_with_a_clear_error():
     assert async_grpo_available()
     with pytest.raises(NotImplementedError, match="ships it .*weight sync.*Use FP16GRPOTrainer"):
         FP16AsyncGRPOTrainer(model=None)
+
+
+def test_loss_scale_mixin_refuses_trls_async_grpo_at_class_creation():
+    """`class T(LossScaleMixin, AsyncGRPOTrainer)` (either order, or through a subclass of TRL's) fails
+    when the class is made, naming TRL's trainer and the reason `FP16AsyncGRPOTrainer` gives. Bug
+    caught: a user's own mix training with the scaler while its weight pushes count skipped steps."""
+    from trl.experimental.async_grpo import AsyncGRPOTrainer
+
+    from hf_lossscale import LossScaleMixin
+
+    class TheirAsync(AsyncGRPOTrainer):
+        pass
+
+    for bases in [
+        (LossScaleMixin, AsyncGRPOTrainer),
+        (AsyncGRPOTrainer, LossScaleMixin),
+        (LossScaleMixin, TheirAsync),
+    ]:
+        with pytest.raises(TypeError, match=r"class T mixes LossScaleMixin with TRL's AsyncGRPOTrainer "
+                           r"\(trl\.experimental\.async_grpo.*weight sync.*Use FP16GRPOTrainer"):  # fmt: skip
+            type("T", bases, {})
+
+    class Fine(LossScaleMixin, Trainer):  # any other Trainer subclass is accepted
+        pass
 
 
 def test_a_skipped_step_rolls_back_trls_adaptive_entropy_controller(tmp_path):

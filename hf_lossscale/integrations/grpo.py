@@ -48,7 +48,7 @@ from trl.trainer.callbacks import SyncRefModelCallback
 from ..fp16.emulation import fp16_emulation
 from .accelerate_hook import effective_mixed_precision, fp16_context, plain_forward
 from .callbacks import OverflowDiagnosisCallback
-from .trainer import LossScaleMixin
+from .trainer import ASYNC_GRPO_REFUSAL, LossScaleMixin
 
 logger = logging.getLogger(__name__)
 
@@ -717,8 +717,6 @@ class FP16AsyncGRPOTrainer:
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         shipped = "ships it (trl.experimental.async_grpo)" if async_grpo_available() else "does not ship it"
         raise NotImplementedError(
-            f"AsyncGRPO under a loss scaler is not supported: the installed TRL {shipped}, but its vLLM weight "
-            "sync and model version would advance on a skipped FP16 step, and its packed loss bypasses the "
-            "mismatch measurement. Use FP16GRPOTrainer (use_vllm=True for a vLLM sampler), or AsyncGRPOTrainer "
-            "without fp16=True."
+            f"AsyncGRPO under a loss scaler is not supported: the installed TRL {shipped}, but "
+            f"{ASYNC_GRPO_REFUSAL}."
         )

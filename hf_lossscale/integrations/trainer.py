@@ -45,6 +45,27 @@ _FRESH_HINT = (
 )
 
 
+#: Why TRL's `AsyncGRPOTrainer` is refused under a loss scaler (docs/rl.md, "AsyncGRPO"): here and in
+#: `FP16AsyncGRPOTrainer`.
+ASYNC_GRPO_REFUSAL = (
+    "its vLLM weight sync and model version would advance on a skipped FP16 step, and its packed loss "
+    "bypasses the mismatch measurement. Use FP16GRPOTrainer (use_vllm=True for a vLLM sampler), or "
+    "AsyncGRPOTrainer without fp16=True"
+)
+
+
+def _async_grpo_base(cls: type) -> type | None:
+    """TRL's `AsyncGRPOTrainer` among `cls`'s bases, recognised by its module (TRL is not imported)."""
+    return next(
+        (
+            c
+            for c in cls.__mro__
+            if c.__name__ == "AsyncGRPOTrainer" and c.__module__.startswith("trl.experimental.async_grpo")
+        ),
+        None,
+    )
+
+
 _CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")
 
 
@@ -174,6 +195,15 @@ class LossScaleMixin:
         loss_scale_fresh_on_resume (`bool`, *optional*, defaults to `False`): on resume, start a
             fresh scaler when the checkpoint holds no usable scaler state (otherwise an error).
     """
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        refused = _async_grpo_base(cls)
+        if refused is not None:
+            raise TypeError(
+                f"class {cls.__name__} mixes LossScaleMixin with TRL's AsyncGRPOTrainer ({refused.__module__}), "
+                f"which is not supported under a loss scaler: {ASYNC_GRPO_REFUSAL}."
+            )
 
     def __init__(
         self,
