@@ -22,12 +22,14 @@ LOAD_CONFIG_WARNINGS = (
 
 
 def config_differences(state: dict[str, Any], current: LossScaleConfig) -> str:
-    """`field now (checkpoint was)` for each setting of `current` that differs from the checkpoint's
-    (our state's `config`, or the fields a torch GradScaler state carries); "" when none does."""
+    """`field now (checkpoint was)` for each of the scaler's settings (`LossScaleConfig.scaler_dict()`)
+    that differs from the checkpoint's (our state's `config`, or the fields a torch GradScaler state
+    carries); "" when none does."""
     saved = state.get("config")
     if not isinstance(saved, dict):
         saved = {k: state[k] for k in ("growth_factor", "backoff_factor", "growth_interval") if k in state}
-    now = current.to_dict()
+    # the scaler's own fields: an old checkpoint's FP16 handling (`FP16_FIELDS`) is the model's, not compared
+    now = current.scaler_dict()
     now.pop("init_scale")  # a resumed scaler starts from the checkpoint's scale, whatever the setting
     return ", ".join(
         f"{k} {shown(now[k])} (checkpoint {shown(v)})"
