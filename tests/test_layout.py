@@ -1,10 +1,12 @@
-"""The package's tiers (README, "Layout"): what each may import, and the paths the docs name.
+"""The package's tiers (docs/development.md, "Layout"): what each may import, the order they import
+in, the shared helpers' one home each, and the paths the docs name.
 
 - `core/`: the scaler and what it records; torch only (the config not even torch).
 - `fp16/`: what FP16 does to a model (emulation, FP32 fallback, underflow map, advice, preflight,
   precision); torch, and transformers to load models.
-- `integrations/`: Accelerate, the Trainer and its callbacks, TensorBoard, TRL, compat.
-- `tools/`: the command line (compare, verdicts, reports, the demo). `recipes/`: the recipes.
+- `integrations/`: Accelerate, the Trainer and its callbacks, the resume rule, DeepSpeed, TensorBoard,
+  TRL, compat.
+- `tools/`: the command line (its commands, compare, verdicts, reports, the demo). `recipes/`: the recipes.
 """
 
 import ast
@@ -229,3 +231,26 @@ def test_each_shared_helper_has_one_home(code):
     beside the one in core/ (they drift: one unwrapped Accelerate's wrapper by class, one by attribute)."""
     holders = sorted(str(p.relative_to(PKG)) for p in PKG.rglob("*.py") if code in p.read_text())
     assert holders == [ONE_HOME[code]]
+
+
+#: Tiers, lowest first: a module imports only from its own tier and those before it.
+TIER_ORDER = ["core", "fp16", "integrations", "tools", "recipes"]
+#: (module, what it imports) against the order; docs/development.md names each.
+UPWARD = {("integrations.callbacks", "tools.bf16")}  # the event log's processor name
+
+
+def test_imports_go_down_the_tiers():
+    """Bug caught: an fp16 module importing from integrations or tools, an integration importing a
+    tool (at the top or inside a function): that tool's extras would follow the integration."""
+    graph = _import_graph()
+    found = set()
+    for module, deps in graph.items():
+        parts = module.split(".")
+        if len(parts) < 3 or parts[1] not in TIER_ORDER:
+            continue
+        for dep in deps:
+            dep_parts = dep.split(".")
+            if len(dep_parts) >= 2 and dep_parts[1] in TIER_ORDER:
+                if TIER_ORDER.index(dep_parts[1]) > TIER_ORDER.index(parts[1]):
+                    found.add((".".join(parts[1:3]), ".".join(dep_parts[1:3])))
+    assert found == UPWARD

@@ -1,1 +1,1 @@
-"""The `hf-lossscale` command line: compare, verdicts, reports, the demo."""
+"""The `hf-lossscale` command line: compare, verdicts, reports, the demo, and the commands around `fp16/` (advise, underflow, preflight, precision)."""
