@@ -19,7 +19,7 @@ from master_twin import KINDS, SHAPES, Side, batch, both, check, initial_values
 
 EXAMPLES = int(os.environ.get("HF_LOSSSCALE_DIFF_EXAMPLES", "60"))
 
-ZERO = ("none", "model_none", "model_zero", "opt_none", "opt_zero")
+ZERO = ("none", "model_none", "model_zero", "opt_none", "opt_zero", "params_none")
 MOVES = (
     "none",
     "none",
@@ -65,6 +65,11 @@ def _zero(side: Side, style: str) -> None:
                     else:
                         p.grad.requires_grad_(False)
                     p.grad.zero_()
+    elif where == "params":  # by hand, over what the optimizers hold (FP32 masters on the subject)
+        for opt in side.optimizers:
+            for group in opt.param_groups:
+                for p in group["params"]:
+                    p.grad = None
     else:
         for opt in side.optimizers:
             opt.zero_grad(set_to_none=how == "none")
@@ -165,6 +170,46 @@ def _move(sub: Side, ref: Side, move: str, it: int) -> None:
             {"micro": [("loss_inf", "keep")], "opts": [(False, "none", 1.0, True)] * 2, "zero": "none", "move": "none"},
             {"micro": [("finite", "keep")], "opts": [(False, "none", 1.0, True)] * 2, "zero": "model_none",
              "move": "none"},
+        ],
+    }
+)  # fmt: skip
+# Found by a review: a fused step left the pending FP16 gradients scaled (torch's fused kernel writes
+# FP32 gradients back unscaled), and gradients cleared by hand on the optimizer's parameters came back
+# at the next backward (the FP16 gradient outlived its stand-in).
+@example(
+    prog={
+        "opt": "adamw_fused",
+        "first": ["w1", "b1", "w2"],
+        "iterations": [
+            {
+                "micro": [("finite", "keep")],
+                "opts": [(False, "none", 1.0, True)] * 2,
+                "zero": "none",
+                "move": "none",
+            },
+            {
+                "micro": [("finite", "keep")],
+                "opts": [(False, "scaler", 0.5, True)] * 2,
+                "zero": "params_none",
+                "move": "none",
+            },
+            {
+                "micro": [("finite", "keep"), ("grad_inf", "keep")],
+                "opts": [(False, "none", 1.0, True)] * 2,
+                "zero": "none",
+                "move": "none",
+            },
+        ],
+    }
+)
+@example(
+    prog={
+        "opt": "adamw",
+        "first": ["w1", "b1", "w2"],
+        "iterations": [
+            {"micro": [("finite", "params_none"), ("finite", "keep")], "opts": [(False, "scaler", 0.5, True)] * 2,
+             "zero": "params_none", "move": "none"},
+            {"micro": [("finite", "keep")], "opts": [(False, "none", 1.0, True)] * 2, "zero": "none", "move": "none"},
         ],
     }
 )  # fmt: skip

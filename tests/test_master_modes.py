@@ -325,3 +325,61 @@ def test_no_step_holds_an_fp32_gradient_for_every_parameter(mode, clip, fused):
         opt.zero_grad()
     assert any(not torch.equal(a, p) for a, p in zip(before, model.parameters(), strict=True))
     assert live.peak < 0.15 * 4 * n, f"{live.peak / (4 * n):.0%} of the FP32 gradients alive at once"
+
+
+@pytest.mark.parametrize("mode", ["masters", "kahan"])
+def test_step_hooks_see_the_gradients_before_and_the_weights_after(mode):
+    """A pre-hook registered after the masters exist sees every gradient, a post-hook registered before
+    them sees the updated weights, as with FP32 weights (catches the chunked update's own hooks running
+    in registration order: gradients hidden from later pre-hooks, weights old for earlier post-hooks)."""
+    x, y = _data()
+    model = _model().half()
+    scaler = DynamicLossScaler(config=LossScaleConfig(master_weights=True if mode == "masters" else mode))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    seen = {}
+
+    def post(o, args, kwargs):
+        seen["weights"] = [p.detach().clone() for p in model.parameters()]
+
+    opt.register_step_post_hook(post)  # before the masters exist
+    _train(model, opt, scaler, 1, x, y)
+    opt.register_step_pre_hook(
+        lambda o, a, k: seen.__setitem__(
+            "grads", [p.grad is not None for g in o.param_groups for p in g["params"]]
+        )
+    )
+    _train(model, opt, scaler, 1, x, y)
+    assert seen["grads"] and all(seen["grads"])
+    assert all(torch.equal(a, p) for a, p in zip(seen["weights"], model.parameters(), strict=True))
+
+
+def test_a_kahan_resume_loading_the_optimizer_before_the_model_is_bitwise():
+    """The compensation is taken at the step's check, against the weights then (catches one accepted at
+    the optimizer's load, against the fresh weights, then zeroed as 'written from outside')."""
+    x, y = _data()
+    model = _model().half()
+    scaler = DynamicLossScaler(config=LossScaleConfig(master_weights="kahan"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    _train(model, opt, scaler, 6, x, y)
+    blob = _checkpoint(model, opt, scaler)
+    _train(model, opt, scaler, 4, x, y)
+    model2 = _model(seed=3).half()
+    scaler2 = DynamicLossScaler(config=LossScaleConfig(master_weights="kahan"))
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
+    ck = torch.load(io.BytesIO(blob))
+    scaler2.master_weights.attach(opt2)
+    opt2.load_state_dict(ck["o"])  # the optimizer first ...
+    model2.load_state_dict(ck["m"])  # ... then the model
+    scaler2.load_state_dict(ck["s"])
+    _train(model2, opt2, scaler2, 4, x, y)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("mode", ["kahan", "stochastic_rounding"])
+def test_a_sparse_gradient_is_refused_below_the_masters(mode):
+    emb = torch.nn.Embedding(10, 4, sparse=True).half()
+    scaler = DynamicLossScaler(config=LossScaleConfig(master_weights=mode, init_scale=1024.0))
+    opt = torch.optim.SGD(emb.parameters(), lr=0.1)
+    scaler.scale(emb(torch.tensor([1, 2])).float().sum()).backward()
+    with pytest.raises(ValueError, match="sparse gradient.*master_weights=True"):
+        scaler.step(opt)

@@ -174,7 +174,7 @@ def _pending_pair(marker: PendingGradient, zero: bool = False) -> _Pair | None:
     pair = pair() if pair is not None else None
     if pair is None or pair.master.grad is not marker:
         return None
-    if zero and pair.pending is not None:
+    if zero and pair.live_pending() is not None:
         pair.pending.zero_()
     return pair
 
@@ -196,7 +196,7 @@ def _zero_master_grad(marker: GradientInMaster) -> None:
     if pair is not None and pair.marker_is(marker):
         if pair.master.grad is not None:
             pair.master.grad.zero_()
-        if pair.pending is not None:
+        if pair.live_pending() is not None:
             pair.pending.zero_()
 
 
@@ -222,35 +222,57 @@ class _Pair:
     # chunk at a time, times `factor` (the unscale, and clip, multiplier; None: still scaled)
     pending: torch.Tensor | None = field(default=None, repr=False)
     factor: torch.Tensor | None = field(default=None, repr=False)
+    # what a fused kernel divided the gradient by (it writes the quotient back, as torch's fused
+    # optimizers do with FP32 gradients): reads after such a step see the quotient
+    divisor: torch.Tensor | None = field(default=None, repr=False)
+    _stand_in: weakref.ref | None = field(default=None, repr=False)
     written: bool = False  # the chunked step wrote the FP16 weight
     _marker: weakref.ref | None = field(default=None, repr=False)
 
+    def live_pending(self) -> torch.Tensor | None:
+        """The pending FP16 gradient while the master's `.grad` (or the step's stash of it) still holds
+        its stand-in; once someone replaced or dropped that `.grad` (`p.grad = None`, a tensor of their
+        own), the pending gradient is gone with it, as an FP32 gradient would be."""
+        if self.pending is None:
+            return None
+        stand_in = self._stand_in() if self._stand_in is not None else None
+        if stand_in is not None and (self.master.grad is stand_in or self.stash is stand_in):
+            return self.pending
+        self.pending = self.factor = self.divisor = self._stand_in = None
+        return None
+
     def fp32_grad(self) -> torch.Tensor | None:
         """The gradient as the optimizer steps on it (FP32), without moving anything."""
-        if self.pending is None:
+        pending = self.live_pending()
+        if pending is None:
             return self.master.grad
-        grad = self.pending.float()
-        return grad if self.factor is None else grad.mul_(self.factor)
+        grad = pending.float()
+        if self.factor is not None:
+            grad.mul_(self.factor)
+        if self.divisor is not None:
+            grad.div_(self.divisor)
+        return grad
 
     def materialise(self) -> None:
         """A pending FP16 gradient cast into the master's `.grad` (someone reads it whole)."""
-        if self.pending is not None:
+        if self.live_pending() is not None:
             with torch.no_grad():
                 grad = self.fp32_grad()
-            self.pending = self.factor = None
+            self.pending = self.factor = self.divisor = self._stand_in = None
             self.master.grad = grad
 
     def defer(self, grad: torch.Tensor) -> None:
         """Keep the FP16 gradient as it is; the master's `.grad` gets a stand-in (`PendingGradient`)."""
-        self.pending, self.factor = grad, None
+        self.pending, self.factor, self.divisor = grad, None, None
         base = torch.empty((), dtype=self.master.dtype, device=self.master.device)
         stand_in = base.expand(self.master.shape).as_subclass(PendingGradient)
         stand_in.__dict__["_hf_pair"] = weakref.ref(self)
+        self._stand_in = weakref.ref(stand_in)
         self.master.grad = stand_in
 
     def drop(self) -> None:
         self.master.grad = None
-        self.pending = self.factor = None
+        self.pending = self.factor = self.divisor = self._stand_in = None
 
     def marker_is(self, tensor: Any) -> bool:
         return tensor is not None and self._marker is not None and self._marker() is tensor
@@ -310,8 +332,8 @@ class OptimizerMasters:
         optimizer.register_load_state_dict_post_hook(functools.partial(_load_post_hook, ref))
         # the update of the FP16 parameters runs chunk by chunk (`master_step`) between torch's step hooks:
         # their gradients are out of sight of torch's algorithm while it runs (it updates the others)
-        optimizer.register_step_pre_hook(functools.partial(_before_step, ref))
-        optimizer.register_step_post_hook(functools.partial(_after_step, ref))
+        self._pre = optimizer.register_step_pre_hook(functools.partial(_before_step, ref))
+        self._post = optimizer.register_step_post_hook(functools.partial(_after_step, ref))
         # not at interpreter exit: nothing needs releasing then, and torch may be half torn down
         weakref.finalize(self, _release, self.pairs, self._hook_handles).atexit = False
 
@@ -363,6 +385,14 @@ class OptimizerMasters:
                 "torch.float16)`, FSDP1 `MixedPrecision(param_dtype=torch.float16)`), which is the same design; "
                 "under DeepSpeed use its FP16 optimizer (`fp16.enabled`), which keeps FP32 masters itself."
             )
+        if self.mode != "masters":
+            group = next(g for g in optimizer.param_groups if any(q is half for q in g["params"]))
+            why = chunkable(optimizer, group)
+            if why is not None:
+                raise ValueError(
+                    f"master_weights={self.mode!r} updates the FP16 weights itself, with torch's Adam, AdamW or SGD "
+                    f"arithmetic chunk by chunk: not with {why}. Use master_weights=True (FP32 masters) there."
+                )
         state = optimizer.state.get(half)
         fp32_state = state and all(
             v.dtype == torch.float32
@@ -377,7 +407,7 @@ class OptimizerMasters:
         else:
             master = None
         if state:
-            if STATE_KEY in state:
+            if any(k in state for k in (STATE_KEY, COMPENSATION_KEY, RNG_KEY)):
                 raise ValueError(
                     f"master_weights: {label}: this optimizer's state was loaded before its FP32 masters "
                     "existed, so torch cast the masters and the moments to float16. Give the optimizer to "
@@ -390,13 +420,6 @@ class OptimizerMasters:
             )
         shell = self.mode != "masters"
         if shell:
-            group = next(g for g in optimizer.param_groups if any(q is half for q in g["params"]))
-            why = chunkable(optimizer, group)
-            if why is not None:
-                raise ValueError(
-                    f"master_weights={self.mode!r} updates the FP16 weights itself, with torch's Adam, AdamW or SGD "
-                    f"arithmetic chunk by chunk: not with {why}. Use master_weights=True (FP32 masters) there."
-                )
             stand_in = torch.zeros((), dtype=torch.float32, device=half.device).expand(half.shape)
             if master is None:
                 master = torch.nn.Parameter(stand_in)
@@ -409,7 +432,8 @@ class OptimizerMasters:
             pair.compensation = torch.zeros_like(half, memory_format=torch.contiguous_format)
         if self.mode == "stochastic_rounding" and half.device not in self.generators:
             gen = torch.Generator(device=half.device)
-            # seeded from the process's seed (`torch.manual_seed`), without drawing from its stream
+            # seeded from the process's seed (`torch.manual_seed`), without drawing from its stream: the
+            # same training built twice in one process rounds the same way
             gen.manual_seed((torch.initial_seed() + 0x5EED) % 2**63)
             self.generators[half.device] = gen
         pair.version = pair.weight_version()
@@ -486,19 +510,29 @@ class OptimizerMasters:
         if fresh_pairs:
             hand_over()
 
+    def order_hooks(self, optimizer: torch.optim.Optimizer) -> None:
+        """Ours last among the optimizer's step pre-hooks and first among its post-hooks, so that a hook
+        of yours, whenever registered, sees the gradients before the step and the updated weights after
+        it, as with FP32 weights (torch keeps the hooks in ordered dicts, in registration order)."""
+        pre, post = optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks
+        if self._pre.id in pre:
+            pre.move_to_end(self._pre.id)
+        if self._post.id in post:
+            post.move_to_end(self._post.id, last=False)
+
     def _chunked_masters(self, optimizer: torch.optim.Optimizer) -> set[int]:
         """The masters whose update runs chunk by chunk (their groups' options allow it)."""
         return {id(p) for g in optimizer.param_groups if chunkable(optimizer, g) is None for p in g["params"]}
 
     def pending(self) -> list[torch.Tensor]:
         """The FP16 gradients read but not cast (scaled, or as `set_factor` left them)."""
-        return [p.pending for p in self.pairs.values() if p.pending is not None]
+        return [g for p in self.pairs.values() if (g := p.live_pending()) is not None]
 
     def set_factor(self, factor: torch.Tensor) -> None:
         """The multiplier (the scale's reciprocal, times a clip coefficient) the pending gradients take
         when they are cast."""
         for pair in self.pairs.values():
-            if pair.pending is not None:
+            if pair.live_pending() is not None:
                 pair.factor = factor if pair.factor is None else pair.factor * factor
 
     def materialise(self) -> None:
@@ -522,7 +556,9 @@ class OptimizerMasters:
             with torch.no_grad():
                 agree = torch.stack([_agrees(p, p.loaded) for p in loaded]).tolist()
                 for pair, ok in zip(loaded, agree, strict=True):
-                    if not ok and not final:
+                    # a compensation belongs to the weights of the step: taken only then (the model's
+                    # weights may be loaded after the optimizer's state)
+                    if not final and (not ok or pair.compensation is not None):
                         continue
                     if pair.compensation is not None:  # "kahan": the buffer, or none
                         pair.compensation.copy_(pair.loaded) if ok else pair.compensation.zero_()
@@ -586,9 +622,18 @@ class OptimizerMasters:
             taken = []
             for param in group["params"]:
                 pair = self.by_master.get(id(param))
-                if pair is None or pair.master is not param:
+                if pair is None or pair.master is not param or any(p is pair for _, ps in work for p in ps):
                     continue
-                if pair.pending is None and (param.grad is None or param.grad.is_sparse):
+                if pair in taken:  # listed twice (torch warns): updated once
+                    continue
+                pending = pair.live_pending()
+                if pending is None and (param.grad is None or param.grad.is_sparse):
+                    if pair.shell and param.grad is not None:
+                        raise ValueError(
+                            f"master_weights={self.mode!r}: {pair.name or 'an FP16 parameter'} has a sparse "
+                            "gradient, which the chunked update does not take: use master_weights=True (FP32 "
+                            "masters) for a model with sparse gradients."
+                        )
                     continue
                 pair.stash, param.grad = param.grad, None
                 taken.append(pair)
@@ -612,6 +657,10 @@ class OptimizerMasters:
                 )
                 for pair in pairs:
                     pair.written = True
+                    if grad_scale is not None and pair.live_pending() is not None:
+                        # a fused kernel writes an FP32 gradient back divided (not on a step it skips)
+                        skipped = found_inf is not None
+                        pair.divisor = torch.where(found_inf > 0, 1.0, grad_scale) if skipped else grad_scale
         finally:
             self._work = work
             self.restore()
@@ -626,9 +675,10 @@ class OptimizerMasters:
 
     def _slot(self, pair: _Pair, found_inf: torch.Tensor | None) -> Slot:
         half, comp = pair.half, pair.compensation
-        grad = pair.stash if pair.pending is None else pair.pending
-        factor = pair.factor if pair.pending is not None else None
-        cast = pair.pending is not None
+        pending = pair.live_pending()
+        grad = pair.stash if pending is None else pending
+        factor = pair.factor if pending is not None else None
+        cast = pending is not None
         flat = grad.is_contiguous() and half.is_contiguous() and (pair.shell or pair.master.is_contiguous())
 
         def part(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
@@ -847,9 +897,9 @@ def _load_pre_hook(ref: weakref.ref, optimizer: torch.optim.Optimizer, state_dic
             comp = entry.pop(COMPENSATION_KEY, None)
             param = id_map.get(key)
             pair = masters.by_master.get(id(param)) if param is not None else None
-            if pair is not None and (
-                (comp is None) != (pair.compensation is None) or pair.shell and comp is None
-            ):
+            other_mode = pair is not None and (comp is None) != (pair.compensation is None)
+            no_master = pair is not None and pair.shell and comp is None  # (stochastic rounding keeps none)
+            if other_mode or no_master:
                 value = None  # a state of another mode: the weights alone stand (a stale entry)
             else:
                 value = comp if comp is not None else value
@@ -952,6 +1002,7 @@ class MasterWeights:
             found = masters_of(inner, create=True, mode=self.mode)
             self._seen.add(inner)
         found.sync_params(inner, self._names)
+        found.order_hooks(inner)
         found.gather(inner, defer)
 
     def pending(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -1067,7 +1118,7 @@ def grad_for(optimizer: Any, param: torch.Tensor) -> torch.Tensor | None:
     if found is None:
         return None
     pair = found.by_master.get(id(param))
-    return pair.pending if pair is not None and pair.master is param else None
+    return pair.live_pending() if pair is not None and pair.master is param else None
 
 
 def half_of(optimizer: Any, param: torch.Tensor) -> torch.Tensor | None:

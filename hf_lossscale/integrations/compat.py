@@ -97,6 +97,10 @@ INSTANCE_INTERNALS = [
     # torch's flag for optimizers that unscale and skip inside their own step (fused AdamW/SGD,
     # `grad_scale=`/`found_inf=`): the scaler hands those the scale instead of unscaling
     ("torch.optim.adamw", "AdamW", "_step_supports_amp_scaling"),
+    # an optimizer's step hooks, in registration order: the chunked update of FP16 parameters' masters
+    # (core/master_weights.py) keeps its hooks last before torch's algorithm and first after it
+    ("torch.optim.adamw", "AdamW", "_optimizer_step_pre_hooks"),
+    ("torch.optim.adamw", "AdamW", "_optimizer_step_post_hooks"),
 ]
 
 # Private attributes of TRL's trainers (only with the `trl` extra), checked on a live trainer by
