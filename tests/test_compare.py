@@ -11,7 +11,7 @@ from tiny_models import save_tiny_bert
 from hf_lossscale.core.events import read_run_events
 from hf_lossscale.tools.compare import validate
 from hf_lossscale.tools.runner import finished_with
-from hf_lossscale.tools.runs import RUN_RECORD, SETTINGS, RunResult, setting_flags
+from hf_lossscale.tools.runs import MASTER_MODES, RUN_RECORD, SETTINGS, RunResult, setting_flags
 from hf_lossscale.tools.summary import percent, scale_text, summarize
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -185,9 +185,12 @@ def test_compare_end_to_end_tiny(tmp_path, capsys):
             ]
             assert cell["skipped steps"] == "—" and cell["flushed (start)"] == "—"
             continue
-        if setting == "master":  # the model held in FP16, stepped on FP32 masters (no flushed probe)
+        if (
+            setting in MASTER_MODES
+        ):  # the model held in FP16, stepped on FP32 masters or below (no flushed probe)
             start = next(e for e in run if e["event"] == "run_start")
-            assert start["loss_scale_config"]["master_weights"] is True and cell["flushed (start)"] == "—"
+            expected = {"master": True, "kahan": "kahan", "stochastic": "stochastic_rounding"}[setting]
+            assert start["loss_scale_config"]["master_weights"] == expected and cell["flushed (start)"] == "—"
             continue
         end = next(e for e in run if e["event"] == "run_end")
         assert cell["skipped steps"] == f"{end['skipped_steps']}/{end['total_steps']}"
