@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from .half_products import fp16_products
+
 __all__ = [
     "fp16_emulation",
     "fp32_region",
@@ -345,7 +347,9 @@ def fp16_emulation(policy: str = "cuda") -> Iterator[FP16Emulation]:
     """Emulate FP16 autocast numerics in FP32 compute, forward and backward.
 
     Keep `backward()` inside the context too: with gradient checkpointing the forward is
-    recomputed during backward. Never used implicitly on CUDA (use real autocast there).
+    recomputed during backward. Never used implicitly on CUDA (use real autocast there). Tensors
+    held in FP16 (a model loaded with `torch_dtype=torch.float16`) keep their FP16 arithmetic, and
+    their matrix products run on FP32 kernels (`fp16_products()`): at FP32 speed on a CPU.
 
     Args:
         policy (`str`, *optional*, defaults to `"cuda"`): `"cuda"` follows CUDA autocast (softmax,
@@ -366,7 +370,8 @@ def fp16_emulation(policy: str = "cuda") -> Iterator[FP16Emulation]:
     ```
     """
     mode = FP16Emulation(policy)
-    with mode:
+    # a model held in FP16: its products at FP32 speed, with a GPU's FP16 arithmetic
+    with mode, fp16_products():
         yield mode
 
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
@@ -20,6 +21,7 @@ from ..core.events import strict_json
 from ..core.optimizer_wrappers import inner_optimizer
 from ..core.scaler import DynamicLossScaler
 from ..fp16.fp32_modules import run_in_fp32
+from ..fp16.half_products import fp16_products
 from .accelerate_hook import effective_mixed_precision, fp16_kind, install_loss_scaler
 from .callbacks import (
     ActivationProbeCallback,
@@ -252,6 +254,8 @@ class LossScaleMixin:
         self.loss_scaler = None
         overrides = self.args.loss_scale_overrides() if hasattr(self.args, "loss_scale_overrides") else {}
         if effective_mixed_precision(self.accelerator) != "fp16":
+            if self._fp16_products_on_cpu(overrides):
+                overrides = {k: v for k, v in overrides.items() if k != "fp16_on_cpu"}
             if overrides or self._loss_scale_config is not None:
                 warnings.warn(
                     "Loss-scale settings were given but the run is not FP16 "
@@ -266,6 +270,37 @@ class LossScaleMixin:
             check_deepspeed_fp16(config, (plugin.deepspeed_config or {}).get("fp16", {}))
             return
         self.loss_scaler = install_loss_scaler(self.accelerator, self._loss_scale_config, overrides=overrides)
+
+    def _fp16_products_on_cpu(self, overrides: dict[str, Any]) -> bool:
+        """A model held in FP16 trained on a CPU without `--fp16` (pure FP16): its matrix products run
+        on FP32 kernels with one FP16 rounding (`fp16_products()`, the GPU's arithmetic at FP32 speed,
+        not the CPU's ~15x slower FP16 path) unless `fp16_on_cpu="native"`. Whether `fp16_on_cpu`
+        applies to this run."""
+        model = self.model
+        if model is None or self.accelerator.device.type != "cpu":
+            return False
+        if not any(p.dtype == torch.float16 for p in model.parameters()):
+            return False
+        if resolve_config(self._loss_scale_config, overrides).fp16_on_cpu == "native":
+            return True
+        self._fp16_products = True
+        backward = self.accelerator.backward
+
+        @functools.wraps(backward)
+        def backward_with_fp16_products(loss: torch.Tensor, **kwargs: Any) -> None:
+            with fp16_products():
+                return backward(loss, **kwargs)
+
+        self.accelerator.backward = backward_with_fp16_products
+        logger.info("hf_lossscale: the FP16 model's matrix products run on FP32 kernels (fp16_products()).")
+        return True
+
+    def autocast_smart_context_manager(self, *args: Any, **kwargs: Any) -> Any:
+        """transformers' forward context, with `fp16_products()` for a model held in FP16 on a CPU
+        (see `_fp16_products_on_cpu`)."""
+        if getattr(self, "_fp16_products", False):
+            return fp16_products()
+        return super().autocast_smart_context_manager(*args, **kwargs)
 
     # ------------------------------------------------------------------ logging
     def create_optimizer(self, *args: Any, **kwargs: Any) -> Any:

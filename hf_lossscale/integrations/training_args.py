@@ -134,7 +134,9 @@ class LossScaleTrainingArguments(TrainingArguments):
         super().__post_init__()
         flags = {name: f"--{arg}" for arg, name in ARG_TO_FIELD.items()}
         resolve_config(None, self.loss_scale_overrides(), override_source=flags)  # validate now
-        set_args = [name for name in ARG_TO_FIELD if getattr(self, name) is not None]
+        # `fp16_on_cpu` also applies to a model held in FP16 without --fp16 (pure FP16 on a CPU): the
+        # Trainer, which sees the model, warns about it when it does not
+        set_args = [n for n in ARG_TO_FIELD if getattr(self, n) is not None and n != "loss_scale_fp16_on_cpu"]
         if set_args and not self.fp16_effective:
             warnings.warn(
                 f"{set_args} are set but FP16 is off (fp16=False and ACCELERATE_MIXED_PRECISION is not "
