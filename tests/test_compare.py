@@ -371,3 +371,25 @@ def test_plots_mark_the_skipped_steps(tmp_path, monkeypatch):
         ax, marks = crosses(name)
         assert marks == [([3], "tab:blue")], (name, marks)
         assert "skipped step" in ax.get_title()
+
+
+def test_a_non_finite_loss_as_the_event_log_writes_it_is_reported_not_a_crash():
+    """The event log writes a NaN loss as null. Bug caught: the progress line formatted it with
+    `:.4f` and the TypeError ended the whole comparison (pure FP16 on SST-2, whose weights went NaN,
+    stopped the other runs of `benchmarks/reproduce/run.py sst2`)."""
+    from hf_lossscale.tools.runner import _progress
+    from hf_lossscale.tools.runs import parse_events
+
+    events = [
+        {"event": "run_start", "fp16": None},
+        {"event": "log", "loss": None, "grad_norm": None, "step": 1},
+        {"event": "log", "eval_loss": None, "eval_accuracy": 0.49, "step": 2},
+        {"event": "run_end", "step": 2, "total_steps": 2},
+    ]
+    pure = RunResult(setting="pure", seed=0, output_dir="", command=[], status="ok")
+    lines = [_progress(pure, e, 2) for e in events]
+    assert "loss non-finite" in lines[1] and "eval_loss non-finite" in lines[2] and "eval_accuracy 0.4900" in lines[2]
+    parse_events(pure, events)
+    summary = summarize([result("fp32", 0, 0.3), pure], opts(seeds=[0]))
+    assert summary["rows"]["pure"]["verdict"] == "diverged"
+    assert "**diverged** (non-finite eval loss in seed(s) [0])" in "\n".join(summary["statements"])

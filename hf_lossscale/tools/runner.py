@@ -38,6 +38,11 @@ def launch_prefix(launcher: str, launch_config: str | None) -> list[str]:
     return cmd if torch.cuda.is_available() else [*cmd, "--cpu"]
 
 
+def _figure(value: Any) -> str:
+    """A logged figure; the event log writes a non-finite one as null."""
+    return "non-finite" if value is None else f"{value:.4f}"
+
+
 def _progress(result: RunResult, event: dict[str, Any], max_steps: int) -> str | None:
     tag = f"[{result.setting:>7} seed {result.seed}]"
     if event.get("event") == "log" and "eval_loss" in event:
@@ -45,10 +50,10 @@ def _progress(result: RunResult, event: dict[str, Any], max_steps: int) -> str |
             f"{k} {v:.4f}" for k, v in event.items() if k.startswith("eval_") and is_metric(k, v)
         )
         return (
-            f"{tag} step {event['step']:>4}/{max_steps}  eval_loss {event['eval_loss']:.4f}  {extra}".rstrip()
+            f"{tag} step {event['step']:>4}/{max_steps}  eval_loss {_figure(event['eval_loss'])}  {extra}".rstrip()
         )
     if event.get("event") == "log" and "loss" in event:
-        line = f"{tag} step {event['step']:>4}/{max_steps}  loss {event['loss']:.4f}"
+        line = f"{tag} step {event['step']:>4}/{max_steps}  loss {_figure(event['loss'])}"
         if "loss_scale" in event:
             line += f"  scale {scale_text(event['loss_scale'])}  skipped {event['skipped_steps']}"
         return line

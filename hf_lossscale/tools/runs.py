@@ -3,6 +3,7 @@ read from its event log."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,7 +141,8 @@ def parse_events(result: RunResult, events: list[dict[str, Any]]) -> None:
             result.fp16 = "BF16 native" if e.get("mixed_precision") == "bf16" else e.get("fp16")
         elif kind == "log":
             if "eval_loss" in e:
-                entry = {k: v for k, v in e.items() if k.startswith("eval_") or k == "step"}
+                # the event log writes a non-finite figure as null: it is NaN here (a diverged run)
+                entry = {k: math.nan if v is None else v for k, v in e.items() if k.startswith("eval_") or k == "step"}
                 result.evals.append(entry)
                 result.final_eval = {k: v for k, v in entry.items() if k != "step"}
             if "train_runtime" in e:
