@@ -213,6 +213,21 @@ def _move(sub: Side, ref: Side, move: str, it: int) -> None:
         ],
     }
 )  # fmt: skip
+# Found by this test (issue 49's session): gradients cleared by hand on the optimizer's parameters after
+# a backward and before the iteration's first read came back at that read (they were still on the FP16
+# parameters, and the masters' `.grad` was None before and after); a stand-in on the master says so now.
+@example(
+    prog={
+        "opt": "adamw",
+        "first": ["w1", "b1", "w2"],
+        "iterations": [
+            {"micro": [("finite", "keep")], "opts": [(False, "none", 1.0, True)] * 2, "zero": "model_none",
+             "move": "none"},
+            {"micro": [("finite", "params_none")], "opts": [(False, "scaler", 1.0, True), (False, "none", 1.0, True)],
+             "zero": "model_none", "move": "none"},
+        ],
+    }
+)  # fmt: skip
 def test_generated_programs_train_an_fp16_model_on_masters_as_the_fp32_reference(prog):
     run_program(prog)
 

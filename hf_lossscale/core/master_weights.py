@@ -48,7 +48,16 @@ from typing import Any
 
 import torch
 
-from .master_step import BUCKET_ELEMENTS, Slot, chunkable, kahan_split, round_stochastic, run_chunked
+from .master_kernel import OnePassSlot, one_pass_reason, run_one_pass
+from .master_step import (
+    BUCKET_ELEMENTS,
+    Slot,
+    adam_state,
+    chunkable,
+    kahan_split,
+    round_stochastic,
+    run_chunked,
+)
 from .optimizer_wrappers import inner_optimizer as _inner
 
 __all__ = [
@@ -228,6 +237,10 @@ class _Pair:
     _stand_in: weakref.ref | None = field(default=None, repr=False)
     written: bool = False  # the chunked step wrote the FP16 weight
     _marker: weakref.ref | None = field(default=None, repr=False)
+    # a backward's FP16 gradient still on the FP16 parameter, with a stand-in on the master saying so: a
+    # `p.grad = None` (or a tensor of one's own) on the optimizer's parameter before the first read drops
+    # it there, as it would drop an FP32 parameter's gradient
+    early: bool = False
 
     def live_pending(self) -> torch.Tensor | None:
         """The pending FP16 gradient while the master's `.grad` (or the step's stash of it) still holds
@@ -260,6 +273,9 @@ class _Pair:
                 grad = self.fp32_grad()
             self.pending = self.factor = self.divisor = self._stand_in = None
             self.master.grad = grad
+            if self.early:  # it was still on the FP16 parameter: its home is the master now
+                self.early = False
+                self.leave_marker()
 
     def defer(self, grad: torch.Tensor) -> None:
         """Keep the FP16 gradient as it is; the master's `.grad` gets a stand-in (`PendingGradient`)."""
@@ -273,6 +289,21 @@ class _Pair:
     def drop(self) -> None:
         self.master.grad = None
         self.pending = self.factor = self.divisor = self._stand_in = None
+        self.early = False
+
+    def collect_early(self) -> bool:
+        """At the first read of an iteration, a gradient still on the FP16 parameter: False when its
+        stand-in left the master (the caller then has nothing to collect from the FP16 side: the FP16
+        gradient is dropped, and a gradient set on the master by hand stays its own)."""
+        self.early = False
+        if self.live_pending() is not None:
+            self.pending = self.factor = self.divisor = self._stand_in = None
+            self.master.grad = None
+            return True
+        self.half.grad = None
+        if self.master.grad is not None:
+            self.leave_marker()
+        return False
 
     def marker_is(self, tensor: Any) -> bool:
         return tensor is not None and self._marker is not None and self._marker() is tensor
@@ -475,6 +506,9 @@ class OptimizerMasters:
 
         for pair in self.pairs.values():
             grad = pair.half.grad
+            if pair.early and grad is not None and not isinstance(grad, GradientInMaster):
+                if not pair.collect_early():
+                    continue
             if grad is None:
                 pair.drop()
                 pair.on_top = False
@@ -652,9 +686,14 @@ class OptimizerMasters:
         found_inf = getattr(optimizer, "found_inf", None)
         try:
             for group, pairs in work:
-                run_chunked(
-                    optimizer, group, [self._slot(p, found_inf) for p in pairs], grad_scale, found_inf
-                )
+                one_pass = self._one_pass_slots(optimizer, group, pairs)
+                if one_pass is not None:  # CUDA with Triton: one kernel pass per parameter
+                    run_one_pass(optimizer, group, one_pass, lambda key, g=group: adam_state(optimizer, g, key),
+                                 grad_scale, found_inf)  # fmt: skip
+                else:
+                    run_chunked(
+                        optimizer, group, [self._slot(p, found_inf) for p in pairs], grad_scale, found_inf
+                    )
                 for pair in pairs:
                     pair.written = True
                     if grad_scale is not None and pair.live_pending() is not None:
@@ -672,6 +711,16 @@ class OptimizerMasters:
             for pair in pairs:
                 if pair.stash is not None:
                     pair.master.grad, pair.stash = pair.stash, None
+
+    def _one_pass_slots(
+        self, optimizer: torch.optim.Optimizer, group: dict, pairs: list[_Pair]
+    ) -> list | None:
+        """The kernel's slots when `master_kernel` can run this group's update (FP32 masters whose FP16
+        gradients are pending, Adam/AdamW, CUDA, Triton); None otherwise."""
+        if any(p.shell or p.live_pending() is None for p in pairs):
+            return None
+        slots = [OnePassSlot(p.master, p.pending, p.factor, p.master, p.half) for p in pairs]
+        return slots if one_pass_reason(optimizer, group, slots) is None else None
 
     def _slot(self, pair: _Pair, found_inf: torch.Tensor | None) -> Slot:
         half, comp = pair.half, pair.compensation
@@ -817,6 +866,15 @@ def _on_new_gradient(pair_ref: weakref.ref, grad_outputs: tuple) -> None:
     """A backward is about to accumulate into an FP16 parameter whose `.grad` is a marker: the marker
     goes (the new FP16 gradient is collected from zero) and `_fold_on_top` adds it onto the master's."""
     pair = pair_ref()
+    if pair is not None and pair.early and pair.live_pending() is None:
+        # the stand-in left the master since the last backward (`p.grad = None` on the optimizer's
+        # parameter): the FP16 gradient so far goes with it; a gradient set there by hand stays, and this
+        # backward's adds onto it
+        pair.early = False
+        if not isinstance(pair.half.grad, GradientInMaster):
+            pair.half.grad = None
+        pair.on_top = pair.master.grad is not None
+        return
     grad = pair.half.grad if pair is not None else None
     if not isinstance(grad, GradientInMaster):
         return
@@ -835,8 +893,17 @@ def _fold_on_top(pair_ref: weakref.ref, half: torch.Tensor) -> None:
     at once, and the marker goes back, so that the gradient keeps one home (a `zero_grad()` from the
     model then reaches all of it)."""
     pair = pair_ref()
-    if pair is None or not pair.on_top or half.grad is None or isinstance(half.grad, GradientInMaster):
+    if pair is None or half.grad is None or isinstance(half.grad, GradientInMaster):
         return
+    if not pair.on_top:
+        if pair.early and pair.live_pending() is not None:
+            pair.pending = half.grad  # accumulating on the FP16 parameter (autograd may make a new tensor)
+            return
+        if pair.master.grad is None:  # the gradient sits on the FP16 parameter: a stand-in on the master
+            pair.defer(half.grad)
+            pair.early = True
+            return
+        pair.on_top = True  # the master holds a gradient set by hand: this one adds onto it
     pair.materialise()  # a pending gradient, cast: the new one adds onto it
     with torch.no_grad():
         if pair.master.grad is None:
@@ -1074,6 +1141,8 @@ class MasterWeights:
                 if pair.marker_is(collected) or collected is None and pair.master.grad is None
                 else None
             )
+        if pair.early and pair.live_pending() is None:  # cleared (or replaced) on the master since
+            return pair.master.grad
         base = pair.fp32_grad() if pair.on_top else None
         return collected.float() if base is None else base + collected.float()
 
