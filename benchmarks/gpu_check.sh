@@ -12,8 +12,9 @@
 # tool): cuda_tests.txt, gpu_check.json, step_overhead.json, demo_summary.md, demo_metrics.json,
 # demo_long_summary.md, demo_long_metrics.json, fp32_module_cost.json, op_count.json. The time
 # boxes add up to 600 s at most (GPU_CHECK_STEPS picks steps for a rerun); measured runs are shorter.
-# Steps 8, 9 and 10 run only when asked for (GPU_CHECK_STEPS="1 8": 80 + 430 s; "9": 215 s; "10":
-# 200 s: the memory floor of issue 49, memory_floor_cuda.json and .md). Step 8 needs
+# Steps 8, 9, 10 and 11 run only when asked for (GPU_CHECK_STEPS="1 8": 80 + 430 s; "9": 215 s; "10":
+# 200 s: the memory floor of issue 49, memory_floor_cuda.json and .md; "11": 120 s, the one-pass
+# master kernel's tests and master_kernel_cuda.json, master_kernel_gpt2_cuda.json). Step 8 needs
 # the data (`gpu_prepare.py --data`), step 9 TRL (`gpu_prepare.py`, the default): one call carries one.
 #   1. the CUDA tests (pytest -m cuda): among them no host sync under
 #      torch.cuda.set_sync_debug_mode("error") on the fused path (tests/test_scaler.py) and through
@@ -161,11 +162,18 @@ if [ "$CUDA" = 1 ]; then
   # optimizer path, with the MLP, MiniLM-L6 and GPT-2 124M (no CPU matmul buffers on CUDA)
   step "10. memory floor on CUDA" 200 "$PY" benchmarks/memory_floor.py --device cuda --models mlp gpt2-124m \
     --out "$OUT/memory_floor_cuda.json"
+  # The one-pass master-weight AdamW kernel (issue 49, item 2): its tests on CUDA (against torch's fused
+  # CUDA AdamW, not the interpreter), then its time and GB/s against the chunked update and torch's fused
+  # AdamW on FP32 weights, one 64M tensor and GPT-2's tensor list
+  step "11. one-pass master kernel on CUDA" 120 bash -c '"$0" -m pytest -q tests/test_master_kernel.py -p no:cacheprovider \
+    && "$0" benchmarks/master_kernel.py --json "$1/master_kernel_cuda.json" \
+    && "$0" benchmarks/master_kernel.py --shapes gpt2 --json "$1/master_kernel_gpt2_cuda.json"' "$PY" "$OUT"
 else
   skip "1. CUDA tests"; skip "2. emulation vs CUDA autocast"; skip "3. clip table and step overhead"
   skip "4. demo with real CUDA FP16"; skip "5. demo, 400 steps (40x longer)"
   skip "6. one module in FP32: memory and time on CUDA"; skip "7. ops, kernels and time per step on CUDA"
   skip "8. reproduced benchmarks with master weights"; skip "9. GRPO on CUDA"; skip "10. memory floor on CUDA"
+  skip "11. one-pass master kernel on CUDA"
 fi
 results=$(cd "$OUT" && ls | grep -v -e '^summary.txt$' -e '^results.tar.gz$')
 packed="nothing else"

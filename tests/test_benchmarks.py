@@ -36,6 +36,7 @@ def test_fp16_emulation_speed_smoke(tmp_path):
         ["--tiny", "--repeats", "1", "--batch", "2", "--seq", "8", "--out", str(out)]
     )
     assert json.loads(out.read_text())["emulated_over_fp32"] == result["emulated_over_fp32"] > 0
+    assert result["fp16_weights_native_over_products"] > 0 and result["fp16_weights_products_over_fp32"] > 0
 
 
 def test_step_overhead_smoke(tmp_path):
@@ -156,13 +157,13 @@ def test_gpu_check_without_a_gpu_says_skipped(tmp_path):
     proc = subprocess.run(["bash", str(BENCH / "gpu_check.sh"), str(tmp_path / "out")], capture_output=True,
                           text=True, env=env, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert proc.stdout.count("skipped: no GPU") == 10
+    assert proc.stdout.count("skipped: no GPU") == 11
     import re
 
-    # The CPU step runs (imports, a recipe parses); no CUDA step (1-10) reports "passed".
+    # The CPU step runs (imports, a recipe parses); no CUDA step (1-11) reports "passed".
     assert re.search(r"== 0b\. CPU: .*: passed", proc.stdout)
-    assert not re.search(r"== (10|[1-9])\. .*passed", proc.stdout), proc.stdout
-    assert (tmp_path / "out" / "summary.txt").read_text().count("skipped: no GPU") == 10
+    assert not re.search(r"== (1[01]|[1-9])\. .*passed", proc.stdout), proc.stdout
+    assert (tmp_path / "out" / "summary.txt").read_text().count("skipped: no GPU") == 11
 
 
 def test_underflow_map_smoke(tmp_path):
@@ -285,6 +286,26 @@ def test_fp16_without_masters_benchmark_runs_both_arms(tmp_path):
     assert [r["arm"] for r in rows] == ["masters", "pure"]
     assert rows[0]["loss"][0] == rows[1]["loss"][0]
     assert len(rows[0]["lost_share"]) == 2 and all(0 <= x <= 1 for x in rows[0]["lost_share"])
+
+
+def test_below_the_floor_measures_each_arms_lost_updates():
+    """Four steps at lr 1e-5 on the tiny GPT-2: every arm from the same weights and batches; FP32 masters
+    lose no update, stochastic rounding loses some at each step (the FP16 weight alone holds them).
+    Bug caught: the step loop (shared with update_loss.py) returning the wrong share, or measuring the
+    first step (before the masters exist)."""
+    import sys
+
+    sys.path.insert(0, str(BENCH))
+    bench = load("below_the_floor")
+    data, held_out = bench._data(0, 4)
+    rows = {
+        arm: bench.run(arm, 1e-5, 0, data, held_out[:2]) for arm in ("fp32", "masters", "stochastic_rounding")
+    }
+    assert rows["masters"]["loss"][0] == rows["stochastic_rounding"]["loss"][0]  # the same FP16 start
+    assert rows["fp32"]["lost_share"] == [] and len(rows["masters"]["lost_share"]) == 3
+    assert all(x < 1e-3 for x in rows["masters"]["lost_share"])  # (an FP32 master loses a few as FP32 does)
+    assert all(x > 0.1 for x in rows["stochastic_rounding"]["lost_share"])
+    assert rows["stochastic_rounding"]["lost_share"] == rows["stochastic_rounding"]["fp16_unmoved_share"]
 
 
 def test_torch_gradscaler_block_runner_rebinds_every_name(tmp_path):

@@ -38,6 +38,7 @@ __all__ = [
     "BUCKET_ELEMENTS",
     "UPDATE_BUCKET",
     "Slot",
+    "adam_state",
     "chunkable",
     "run_chunked",
     "round_stochastic",
@@ -97,7 +98,8 @@ def _part(t: torch.Tensor, flat: bool, a: int, b: int) -> torch.Tensor:
     return t.view(-1)[a:b] if flat else t
 
 
-def _adam_state(optimizer: torch.optim.Optimizer, group: dict, key: torch.Tensor) -> dict:
+def adam_state(optimizer: torch.optim.Optimizer, group: dict, key: torch.Tensor) -> dict:
+    """The optimizer's state for `key`, created as `Adam._init_group` creates it."""
     state = optimizer.state[key]
     if len(state) == 0:  # as Adam._init_group
         fused, capturable = bool(group["fused"]), bool(group["capturable"])
@@ -157,7 +159,7 @@ def run_chunked(
         bucket = min(high, max(low, sum(s.numel for s in slots) // 64))
     kind = _KINDS[type(optimizer)]
     if kind == "adam":
-        states = {id(s.key): _adam_state(optimizer, group, s.key) for s in slots}
+        states = {id(s.key): adam_state(optimizer, group, s.key) for s in slots}
     else:
         states = {id(s.key): optimizer.state[s.key] for s in slots} if group["momentum"] != 0 else {}
     new_buffers: dict[int, torch.Tensor] = {}  # SGD's first step: full momentum buffers, filled per chunk

@@ -60,6 +60,13 @@ INTERNALS = [
     ("torch", "_amp_foreach_non_finite_check_and_unscale_"),
     # the FP16 emulation rounds outside its own TorchFunctionMode
     ("torch._C", "DisableTorchFunction"),
+    # fp16_products(): a dispatch mode that runs an FP16 model's products on FP32 copies of its inputs
+    ("torch.utils._python_dispatch", "TorchDispatchMode"),
+    ("torch.utils._pytree", "tree_map"),
+    ("torch.utils._pytree", "tree_flatten"),
+    # the one-pass master kernel (core/master_kernel.py) moves step counters as torch's fused Adam does
+    ("torch", "_foreach_add_"),
+    ("torch", "_foreach_sub_"),
     # master weights (core/master_weights.py): the FP16 gradients read into the masters and the weights
     # written back in one kernel per dtype; a weight written from outside seen by its version counter;
     # the marker left on an FP16 `.grad` reads its own metadata without its own __torch_function__

@@ -1,0 +1,146 @@
+"""The one-pass master-weight AdamW step on CUDA (issue 49, item 2) against today's chunked update and
+against torch's fused AdamW on FP32 weights, in the same process: time per optimizer step and the
+memory traffic it implies, in GB/s against the device's memory bandwidth.
+
+Each arm steps the same tensors (one parameter of `--numel` elements, or a GPT-2-shaped list of them
+with `--shapes gpt2`) with FP16 gradients pending in the scaler's hand-over:
+
+- `one-pass`: `master_kernel.run_one_pass` (reads the FP16 gradient, the FP32 master and moments once,
+  writes master, moments and the FP16 weight): 28 bytes per parameter;
+- `chunked`: `master_step.run_chunked` with torch's fused kernel on FP32 chunks cast from the FP16
+  gradient (the CPU's path, and CUDA's without Triton): 28 + 4 + 4 + 2 bytes per parameter (the cast
+  writes and re-reads an FP32 chunk, the FP16 weight is written from the master);
+- `fp32 fused`: torch's fused AdamW on FP32 weights with FP32 gradients: 4 + 16 + 16 = 32 bytes.
+
+The GB/s column counts each arm's own bytes; `peak` is the device's memory bandwidth from its
+properties (bus width x memory clock x 2). Noise: each figure is the median of `--repeats` timed
+blocks of `--steps` steps; the spread (min-max over blocks) is printed next to it.
+
+    python benchmarks/master_kernel.py [--numel 67108864] [--shapes gpt2] [--json out.json]
+
+Needs CUDA and Triton (torch's CUDA wheels ship it); elsewhere it says so and exits 0 without a file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import statistics
+import sys
+
+import torch
+
+GPT2_SHAPES = [(50257, 768), (1024, 768)] + [(768, 2304), (2304,), (768, 768), (768,), (768,), (768,),
+                                             (768, 3072), (3072,), (3072, 768), (768,), (768,), (768,)] * 12  # fmt: skip
+
+
+def _peak_gbs() -> float | None:
+    props = torch.cuda.get_device_properties(0)
+    width, clock = getattr(props, "memory_bus_width", None), getattr(props, "memory_clock_rate", None)
+    if not width or not clock:
+        return None
+    return width / 8 * clock * 1e3 * 2 / 1e9  # bytes per transfer x transfers per second (DDR)
+
+
+def _time(fn, steps: int, repeats: int) -> tuple[float, float, float]:
+    fn()  # warm-up (compiles the kernel)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) / steps)
+    return statistics.median(times), min(times), max(times)
+
+
+def run(shapes: list[tuple[int, ...]], steps: int, repeats: int) -> dict:
+    from hf_lossscale.core.master_kernel import OnePassSlot, run_one_pass
+    from hf_lossscale.core.master_step import Slot, adam_state, run_chunked
+
+    dev = "cuda"
+    masters = [torch.randn(s, device=dev) * 0.02 for s in shapes]
+    halves = [m.half() for m in masters]
+    grads16 = [torch.randn(s, device=dev).half() for s in shapes]
+    factor = torch.tensor(2.0**-16, device=dev)
+    scale, found_inf = torch.tensor(1.0, device=dev), torch.zeros((), device=dev)
+    keys = [torch.nn.Parameter(m) for m in masters]
+    opt = torch.optim.AdamW(keys, lr=1e-4, weight_decay=0.01, fused=True)
+    group = opt.param_groups[0]
+    slots = [OnePassSlot(k, g, factor, k.data, h) for k, g, h in zip(keys, grads16, halves, strict=True)]
+
+    def one_pass():
+        run_one_pass(opt, group, slots, lambda key: adam_state(opt, group, key), scale, found_inf)
+
+    def chunk_slot(k, g, h):
+        flat_m, flat_g, flat_h = k.data.view(-1), g.view(-1), h.view(-1)
+        return Slot(key=k, numel=k.numel(), flat=True, grad_of=lambda a, b: flat_g[a:b].float().mul_(factor),
+                    load=lambda a, b: flat_m[a:b], store=lambda a, b, v: flat_h[a:b].copy_(v))  # fmt: skip
+
+    chunk_slots = [chunk_slot(k, g, h) for k, g, h in zip(keys, grads16, halves, strict=True)]
+
+    def chunked():
+        run_chunked(opt, group, chunk_slots, scale, found_inf)
+
+    fp32 = [torch.nn.Parameter(m.clone()) for m in masters]
+    for p, g in zip(fp32, grads16, strict=True):
+        p.grad = g.float()
+    fp32_opt = torch.optim.AdamW(fp32, lr=1e-4, weight_decay=0.01, fused=True)
+    fp32_opt.grad_scale, fp32_opt.found_inf = scale, found_inf
+    n = sum(m.numel() for m in masters)
+    arms = {"one-pass": (one_pass, 28), "chunked": (chunked, 38), "fp32 fused": (fp32_opt.step, 32)}
+    out = {"parameters": n, "tensors": len(shapes), "device": torch.cuda.get_device_name(0), "peak_gbs": _peak_gbs(),
+           "steps": steps, "repeats": repeats, "arms": {}}  # fmt: skip
+    for name, (fn, bytes_per) in arms.items():
+        median, low, high = _time(fn, steps, repeats)
+        out["arms"][name] = {"ms": median, "ms_min": low, "ms_max": high, "bytes_per_param": bytes_per,
+                             "gbs": n * bytes_per / (median / 1e3) / 1e9}  # fmt: skip
+    base = out["arms"]["fp32 fused"]["ms"]
+    for arm in out["arms"].values():
+        arm["time_vs_fp32_fused"] = arm["ms"] / base
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--numel", type=int, default=1 << 26, help="One parameter of this many elements.")
+    parser.add_argument(
+        "--shapes", choices=["one", "gpt2"], default="one", help="gpt2: GPT-2 124M's tensors."
+    )
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--json", help="Write the figures here.")
+    opts = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    from hf_lossscale.core.master_kernel import triton_available
+
+    if not torch.cuda.is_available() or not triton_available():
+        print("master_kernel.py: needs CUDA and Triton (this machine has "
+              f"{'no CUDA' if not torch.cuda.is_available() else 'no Triton'}); nothing measured.")  # fmt: skip
+        return 0
+    shapes = [(opts.numel,)] if opts.shapes == "one" else GPT2_SHAPES
+    result = run(shapes, opts.steps, opts.repeats)
+    peak = result["peak_gbs"]
+    print(f"{result['device']}: {result['parameters']:,} parameters in {result['tensors']} tensors; "
+          f"memory bandwidth {peak:.0f} GB/s" if peak else "")  # fmt: skip
+    print("| arm | ms per step (min-max) | x fp32 fused | bytes/param | GB/s | of peak |")
+    print("|---|---|---|---|---|---|")
+    for name, arm in result["arms"].items():
+        share = f"{arm['gbs'] / peak:.0%}" if peak else "-"
+        print(f"| {name} | {arm['ms']:.3f} ({arm['ms_min']:.3f}-{arm['ms_max']:.3f}) | "
+              f"{arm['time_vs_fp32_fused']:.2f} | {arm['bytes_per_param']} | {arm['gbs']:.0f} | {share} |")  # fmt: skip
+    if opts.json:
+        from hf_lossscale.tools.files import atomic_write_text
+
+        atomic_write_text(opts.json, json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
