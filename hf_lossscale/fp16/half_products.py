@@ -71,7 +71,11 @@ class FP16Products(TorchDispatchMode):
 
 def _all_half(args: tuple, kwargs: dict) -> bool:
     """Whether the floating tensors among the inputs are all FP16 (and there is one)."""
-    floats = [t.dtype for t in tree_flatten((args, kwargs))[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    floats = [
+        t.dtype
+        for t in tree_flatten((args, kwargs))[0]
+        if isinstance(t, torch.Tensor) and t.is_floating_point()
+    ]
     return bool(floats) and all(d == torch.float16 for d in floats)
 
 

@@ -49,9 +49,7 @@ def _progress(result: RunResult, event: dict[str, Any], max_steps: int) -> str |
         extra = "  ".join(
             f"{k} {v:.4f}" for k, v in event.items() if k.startswith("eval_") and is_metric(k, v)
         )
-        return (
-            f"{tag} step {event['step']:>4}/{max_steps}  eval_loss {_figure(event['eval_loss'])}  {extra}".rstrip()
-        )
+        return f"{tag} step {event['step']:>4}/{max_steps}  eval_loss {_figure(event['eval_loss'])}  {extra}".rstrip()
     if event.get("event") == "log" and "loss" in event:
         line = f"{tag} step {event['step']:>4}/{max_steps}  loss {_figure(event['loss'])}"
         if "loss_scale" in event:

@@ -142,7 +142,11 @@ def parse_events(result: RunResult, events: list[dict[str, Any]]) -> None:
         elif kind == "log":
             if "eval_loss" in e:
                 # the event log writes a non-finite figure as null: it is NaN here (a diverged run)
-                entry = {k: math.nan if v is None else v for k, v in e.items() if k.startswith("eval_") or k == "step"}
+                entry = {
+                    k: math.nan if v is None else v
+                    for k, v in e.items()
+                    if k.startswith("eval_") or k == "step"
+                }
                 result.evals.append(entry)
                 result.final_eval = {k: v for k, v in entry.items() if k != "step"}
             if "train_runtime" in e:
