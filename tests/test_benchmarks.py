@@ -290,7 +290,7 @@ def test_fp16_without_masters_benchmark_runs_both_arms(tmp_path):
 
 def test_below_the_floor_measures_each_arms_lost_updates():
     """Four steps at lr 1e-5 on the tiny GPT-2: every arm from the same weights and batches; FP32 masters
-    lose no update, stochastic rounding loses some at each step (the FP16 weight alone holds them).
+    lose almost none, stochastic rounding loses some at each step (the FP16 weight alone holds them).
     Bug caught: the step loop (shared with update_loss.py) returning the wrong share, or measuring the
     first step (before the masters exist)."""
     import sys
