@@ -196,19 +196,17 @@ def _run_part(
             real = states[id(slot.key)]["step"]
             # the counter moves once per parameter: at its last chunk; the others count on a copy
             steps.append(real if b == slot.numel else real.clone())
-        state = [states[id(slot.key)] for slot, _, _ in chunks]
+
+        def parts(key: str) -> list[torch.Tensor]:  # each chunk's view of one state tensor
+            return [_part(states[id(slot.key)][key], slot.flat, a, b) for slot, a, b in chunks]
+
         beta1, beta2 = group["betas"]
         _adam(
             values,
             grads,
-            [_part(s["exp_avg"], slot.flat, a, b) for s, (slot, a, b) in zip(state, chunks, strict=True)],
-            [_part(s["exp_avg_sq"], slot.flat, a, b) for s, (slot, a, b) in zip(state, chunks, strict=True)],
-            [
-                _part(s["max_exp_avg_sq"], slot.flat, a, b)
-                for s, (slot, a, b) in zip(state, chunks, strict=True)
-            ]
-            if group["amsgrad"]
-            else [],
+            parts("exp_avg"),
+            parts("exp_avg_sq"),
+            parts("max_exp_avg_sq") if group["amsgrad"] else [],
             steps,
             amsgrad=group["amsgrad"],
             has_complex=False,

@@ -104,7 +104,40 @@ _METADATA_METHODS = frozenset({
 })  # fmt: skip
 
 
-class GradientInMaster(torch.Tensor):
+class _StandIn(torch.Tensor):
+    """A broadcast view standing in for a gradient held elsewhere. Its metadata reads as a tensor's
+    (torch's `zero_grad` and grouping read it), `requires_grad_`/`detach_` leave it be, and zeroing it
+    (`zero_()`, `_foreach_zero_`) zeroes what it stands for (`_zero_held`)."""
+
+    @classmethod
+    def _zero_held(cls, stand_in: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    def _answer(cls, func: Any, args: tuple, kwargs: dict) -> tuple[bool, Any]:
+        """(True, the result) for the calls every stand-in answers itself; (False, None) otherwise."""
+        name = getattr(func, "__name__", "")
+        metadata = name == "__get__" and getattr(getattr(func, "__self__", None), "__name__", "") in _METADATA
+        if metadata or func in _METADATA_METHODS:
+            with torch._C.DisableTorchFunctionSubclass():
+                return True, func(*args, **kwargs)
+        if func in (torch.Tensor.requires_grad_, torch.Tensor.detach_):
+            return True, args[0]
+        if func is torch.Tensor.zero_:
+            cls._zero_held(args[0])
+            return True, args[0]
+        if func is torch._foreach_zero_:
+            plain = [t for t in args[0] if not isinstance(t, cls)]
+            for t in args[0]:
+                if isinstance(t, cls):
+                    cls._zero_held(t)
+            if plain:
+                torch._foreach_zero_(plain)
+            return True, None
+        return False, None
+
+
+class GradientInMaster(_StandIn):
     """What an FP16 parameter's `.grad` holds once its gradient moved into its FP32 master: a 2-byte
     stand-in (a broadcast view) of the right shape and dtype. Reading its values raises at once with
     the remedy; zeroing it (`zero_grad(set_to_none=False)`) zeroes the master's gradient; dropping
@@ -112,35 +145,22 @@ class GradientInMaster(torch.Tensor):
     master's gradient."""
 
     @classmethod
+    def _zero_held(cls, stand_in: torch.Tensor) -> None:
+        _zero_master_grad(stand_in)
+
+    @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if name == "__get__" and getattr(getattr(func, "__self__", None), "__name__", "") in _METADATA:
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs)
-        if func in _METADATA_METHODS:
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs)
-        if func in (torch.Tensor.requires_grad_, torch.Tensor.detach_):
-            return args[0]
-        if func is torch.Tensor.zero_:
-            _zero_master_grad(args[0])
-            return args[0]
-        if func is torch._foreach_zero_:
-            plain = [t for t in args[0] if not isinstance(t, GradientInMaster)]
-            for t in args[0]:
-                if isinstance(t, GradientInMaster):
-                    _zero_master_grad(t)
-            if plain:
-                torch._foreach_zero_(plain)
-            return None
-        raise RuntimeError(f"{_REMEDY} (The call was {name or func}.)")
+        answered, result = cls._answer(func, args, kwargs)
+        if answered:
+            return result
+        raise RuntimeError(f"{_REMEDY} (The call was {getattr(func, '__name__', '') or func}.)")
 
     def __repr__(self, *args: Any, **kwargs: Any) -> str:
         return f"GradientInMaster(shape={tuple(self.shape)}, dtype={self.dtype}: the gradient is in the FP32 master)"
 
 
-class PendingGradient(torch.Tensor):
+class PendingGradient(_StandIn):
     """What a master's `.grad` holds while its gradient waits in FP16 (`gather(defer=True)`): a 4-byte
     stand-in (a broadcast view) of the right shape and dtype. Reading its values casts the FP16 gradient
     into a real FP32 `.grad` first (times its factor: what `unscale_` and the clip made of it), so a
@@ -148,28 +168,15 @@ class PendingGradient(torch.Tensor):
     it zeroes the pending gradient; the scaler and the chunked step read the FP16 one directly."""
 
     @classmethod
+    def _zero_held(cls, stand_in: torch.Tensor) -> None:
+        _pending_pair(stand_in, zero=True)
+
+    @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
-        name = getattr(func, "__name__", "")
-        if name == "__get__" and getattr(getattr(func, "__self__", None), "__name__", "") in _METADATA:
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs)
-        if func in _METADATA_METHODS:
-            with torch._C.DisableTorchFunctionSubclass():
-                return func(*args, **kwargs)
-        if func in (torch.Tensor.requires_grad_, torch.Tensor.detach_):
-            return args[0]
-        if func is torch.Tensor.zero_:
-            _pending_pair(args[0], zero=True)
-            return args[0]
-        if func is torch._foreach_zero_:
-            plain = [t for t in args[0] if not isinstance(t, PendingGradient)]
-            for t in args[0]:
-                if isinstance(t, PendingGradient):
-                    _pending_pair(t, zero=True)
-            if plain:
-                torch._foreach_zero_(plain)
-            return None
+        answered, result = cls._answer(func, args, kwargs)
+        if answered:
+            return result
         args, kwargs = torch.utils._pytree.tree_map_only(PendingGradient, _real, (args, kwargs))
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
@@ -650,15 +657,14 @@ class OptimizerMasters:
         taken out of its sight (it updates the optimizer's other parameters)."""
         self.restore()
         work = []
+        seen: set[int] = set()  # pairs already taken (a parameter listed twice: torch warns; updated once)
         for group in optimizer.param_groups:
             if chunkable(optimizer, group) is not None:
                 continue
             taken = []
             for param in group["params"]:
                 pair = self.by_master.get(id(param))
-                if pair is None or pair.master is not param or any(p is pair for _, ps in work for p in ps):
-                    continue
-                if pair in taken:  # listed twice (torch warns): updated once
+                if pair is None or pair.master is not param or id(pair) in seen:
                     continue
                 pending = pair.live_pending()
                 if pending is None and (param.grad is None or param.grad.is_sparse):
@@ -671,6 +677,7 @@ class OptimizerMasters:
                     continue
                 pair.stash, param.grad = param.grad, None
                 taken.append(pair)
+                seen.add(id(pair))
             if taken:
                 work.append((group, taken))
         self._work = work
