@@ -558,6 +558,39 @@ def test_weights_edited_between_unscale_and_step_are_stepped_from():
     assert torch.equal(model[0].weight, torch.zeros_like(model[0].weight))
 
 
+@pytest.mark.parametrize("what", ["own_gradient", "zero_grad_keep"])
+@pytest.mark.parametrize("optim", ["sgd_momentum", "adamw", "adamw_fused"])
+def test_gradients_put_on_the_parameters_after_unscale_are_stepped_on(what, optim):
+    """Found by a user trial (issue 49's review): after `unscale_` the gradients had been read, so a
+    gradient given to the FP16 parameter afterwards (a tensor of one's own, or the zeros of
+    `optimizer.zero_grad(set_to_none=False)`) never reached its master, and the step skipped the
+    parameter (no momentum, no weight decay). FP32 weights step on the new gradient as it is."""
+    moved = {}
+    for dtype in (torch.float32, torch.float16):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(4, 2, bias=False).to(dtype)
+        if optim == "sgd_momentum":
+            opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        else:
+            opt = torch.optim.AdamW(model.parameters(), lr=0.1, fused=optim == "adamw_fused" or None)
+        scaler = DynamicLossScaler(init_scale=2.0**10)
+        for it in range(2):
+            scaler.scale(model(torch.ones(3, 4, dtype=dtype)).float().sum()).backward()
+            if it == 1:
+                scaler.unscale_(opt)
+                if what == "own_gradient":
+                    model.weight.grad = torch.full_like(model.weight, 0.5)
+                else:
+                    opt.zero_grad(set_to_none=False)
+            before = model.weight.detach().float().clone()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        moved[dtype] = model.weight.detach().float() - before
+    assert moved[torch.float32].abs().min() > 1e-3  # the reference moved
+    torch.testing.assert_close(moved[torch.float16], moved[torch.float32], atol=2e-3, rtol=0)
+
+
 def test_marker_metadata_methods_and_sparse_and_fp32_phase():
     """Found by a user trial: `p.grad.size()`/`numel()` on a moved gradient raised; a sparse FP16 embedding
     failed in the hand-over (`copy_() between dense and sparse`); an optimizer that stepped the model in

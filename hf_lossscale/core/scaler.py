@@ -402,7 +402,10 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if state["stage"] is OptState.STEPPED:
             raise RuntimeError("step() has already been called since the last update().")
         if state["stage"] is OptState.UNSCALED:  # read earlier (unscale_, a clip): weights edited since
-            self.master_weights.follow_weights(optimizer)  # (otherwise the read in _step checks them)
+            self.master_weights.follow_weights(optimizer)  # (otherwise the read in _step checks them),
+            # and gradients put on the FP16 parameters since (a tensor of one's own, an optimizer's
+            # zero_grad(set_to_none=False)), taken as they are, as an FP32 parameter's would be
+            self._gather_masters(optimizer, defer=True)
         retval = self._step(optimizer, state, args, kwargs)
         if not state.get("host_skipped"):  # the FP16 weights from their FP32 masters (a skip on the device
             self.master_weights.write_back(optimizer)  # left the masters, so the weights, as they were)
