@@ -600,3 +600,18 @@ def test_resume_takes_every_setting_from_this_run_and_says_what_differs(tmp_path
     assert "growth_interval 7 (checkpoint 3)" in lines[0] and "hysteresis 2 (checkpoint 1)" in lines[0]
     assert "min_scale 4.0 (checkpoint 1.0)" in lines[0] and "init_scale" not in lines[0]
     assert not [w for w in recwarn if "config" in str(w.message) or "Restored" in str(w.message)]
+
+
+def test_a_non_finite_evaluation_is_logged_null_and_returned_as_a_number(tmp_path):
+    """Found by pure FP16 on SST-2 (its weights went NaN): evaluate() returned the log's dict with None
+    for the NaN eval loss, and transformers' own `trainer.log_metrics("eval", metrics)` (in every example
+    script) raised a TypeError formatting it. The stock Trainer returns NaN; the logs still read null."""
+    trainer = LossScaleTrainer(model=tiny_bert_classifier(), args=make_args(tmp_path, fp16=False, max_steps=1),
+                               train_dataset=tiny_classification_dataset(),
+                               eval_dataset=tiny_classification_dataset(n=8))  # fmt: skip
+    with torch.no_grad():
+        trainer.model.classifier.weight.fill_(float("nan"))
+    metrics = trainer.evaluate()
+    assert metrics["eval_loss"] != metrics["eval_loss"]  # NaN
+    trainer.log_metrics("eval", metrics)
+    assert trainer.state.log_history[-1]["eval_loss"] is None

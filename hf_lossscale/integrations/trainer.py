@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -254,7 +255,7 @@ class LossScaleMixin:
         self.loss_scaler = None
         overrides = self.args.loss_scale_overrides() if hasattr(self.args, "loss_scale_overrides") else {}
         if effective_mixed_precision(self.accelerator) != "fp16":
-            if self._fp16_products_on_cpu(overrides):
+            if self._fp16_products_on_cpu(overrides):  # `fp16_on_cpu` applies to a model held in FP16
                 overrides = {k: v for k, v in overrides.items() if k != "fp16_on_cpu"}
             if overrides or self._loss_scale_config is not None:
                 warnings.warn(
@@ -274,12 +275,11 @@ class LossScaleMixin:
     def _fp16_products_on_cpu(self, overrides: dict[str, Any]) -> bool:
         """A model held in FP16 trained on a CPU without `--fp16` (pure FP16): its matrix products run
         on FP32 kernels with one FP16 rounding (`fp16_products()`, the GPU's arithmetic at FP32 speed,
-        not the CPU's ~15x slower FP16 path) unless `fp16_on_cpu="native"`. Whether `fp16_on_cpu`
-        applies to this run."""
-        model = self.model
-        if model is None or self.accelerator.device.type != "cpu":
-            return False
-        if not any(p.dtype == torch.float16 for p in model.parameters()):
+        not the CPU's ~15x slower FP16 path) unless `fp16_on_cpu="native"`. Which model that is is
+        asked at each forward and backward (`model_init` makes it later; a search, several). Whether
+        this is a CPU run, where `fp16_on_cpu` can apply."""
+        self._fp16_products = False
+        if self.accelerator.device.type != "cpu":
             return False
         if resolve_config(self._loss_scale_config, overrides).fp16_on_cpu == "native":
             return True
@@ -288,18 +288,28 @@ class LossScaleMixin:
 
         @functools.wraps(backward)
         def backward_with_fp16_products(loss: torch.Tensor, **kwargs: Any) -> None:
-            with fp16_products():
+            with self._products_context():
                 return backward(loss, **kwargs)
 
         self.accelerator.backward = backward_with_fp16_products
-        logger.info("hf_lossscale: the FP16 model's matrix products run on FP32 kernels (fp16_products()).")
         return True
+
+    def _products_context(self) -> contextlib.AbstractContextManager:
+        model = self.model
+        if model is not None and any(p.dtype == torch.float16 for p in model.parameters()):
+            if not getattr(self, "_fp16_products_said", False):
+                self._fp16_products_said = True
+                logger.info(
+                    "hf_lossscale: the FP16 model's matrix products run on FP32 kernels (fp16_products())."
+                )
+            return fp16_products()
+        return contextlib.nullcontext()
 
     def autocast_smart_context_manager(self, *args: Any, **kwargs: Any) -> Any:
         """transformers' forward context, with `fp16_products()` for a model held in FP16 on a CPU
         (see `_fp16_products_on_cpu`)."""
         if getattr(self, "_fp16_products", False):
-            return fp16_products()
+            return self._products_context()
         return super().autocast_smart_context_manager(*args, **kwargs)
 
     # ------------------------------------------------------------------ logging
@@ -322,7 +332,8 @@ class LossScaleMixin:
         """The Trainer's log, with the loss-scale figures on training logs only: an evaluation or
         the end-of-training summary gets none of them and leaves the "since the last log" window
         (`overflow_rate`, the telemetry snapshot) to the next training log. Non-finite numbers go
-        to every `report_to` backend and `trainer_state.json` as None (JSON `null`). The telemetry
+        to every `report_to` backend and `trainer_state.json` as None (JSON `null`); the metrics
+        `evaluate()` returns keep them as numbers. The telemetry
         snapshots a training log read go to the run's event sink as `telemetry` events, after the log
         (the event log and TensorBoard take them from there)."""
         snapshots: dict[str, Any] = {}
@@ -331,8 +342,9 @@ class LossScaleMixin:
                 logs.update(deepspeed_scale_figures(self.model_wrapped))
             if self.loss_scaler is not None:
                 snapshots = self._add_loss_scale_figures(logs)
-        logs.update(strict_json(logs))  # in place: evaluate() returns this dict as its metrics
-        super().log(logs, *args, **kwargs)
+        # a copy: evaluate() returns the caller's dict as its metrics, which keep their NaN as the stock
+        # Trainer's do (transformers' own `log_metrics` formats them as numbers)
+        super().log(strict_json(logs), *args, **kwargs)
         for event in telemetry_events(snapshots, self.state.global_step):
             self.loss_scale_events.sink.emit(event, keep=False)  # histograms: the file keeps them
 
