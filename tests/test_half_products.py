@@ -181,3 +181,30 @@ def test_native_fp16_on_cpu_opts_out(tmp_path, recorded_modes):
     trainer = _trainer(tmp_path, fp16=False, loss_scale_fp16_on_cpu="native")
     trainer.train()
     assert recorded_modes == []
+
+
+def test_attention_backward_and_inference_mode_go_through_the_mode():
+    """Bugs caught: the attention backward (FP16 inputs and its FP32 logsumexp) left to the CPU's FP16
+    kernel; `linear`, which reaches the dispatcher whole under `torch.inference_mode()`, left too."""
+    q = _half(2, 2, 16, 8).requires_grad_()
+    with fp16_products() as mode:
+        F.scaled_dot_product_attention(q, q, q, is_causal=True).float().sum().backward()
+    assert mode.calls == 2 and q.grad.dtype == torch.float16
+    layer, x = torch.nn.Linear(40, 6).half(), _half(8, 40)
+    with torch.inference_mode(), fp16_products() as mode:
+        out = layer(x)
+    assert mode.calls == 1
+    with torch.no_grad():
+        expected = (x.float() @ layer.weight.float().t() + layer.bias.float()).half()
+    assert torch.equal(out, expected)
+
+
+def test_a_model_from_model_init_goes_through_the_mode(tmp_path, recorded_modes):
+    """Bug caught: the choice made when the Trainer was built, while `model_init` had not yet made the
+    model (the run then used the CPU's slow FP16 kernels, silently)."""
+    args = LossScaleTrainingArguments(output_dir=str(tmp_path), per_device_train_batch_size=8, max_steps=2,
+                                      report_to=[], save_strategy="no", disable_tqdm=True)  # fmt: skip
+    trainer = LossScaleTrainer(model_init=lambda: tiny_bert_classifier().half(), args=args,
+                               train_dataset=tiny_classification_dataset())  # fmt: skip
+    trainer.train()
+    assert len(recorded_modes) >= 4 and all(mode.calls > 0 for mode in recorded_modes)
