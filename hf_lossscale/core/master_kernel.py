@@ -77,6 +77,15 @@ def one_pass_reason(optimizer: torch.optim.Optimizer, group: dict, slots: list[O
     return None
 
 
+def _counter_on_device(step: torch.Tensor, master: torch.Tensor) -> bool:
+    """Whether a step counter lives beside its master (fused or capturable groups), not on the host."""
+    return step.device == master.device
+
+
+def _fp32(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
 def _split(x: float) -> tuple[float, float]:
     """A double as the sum of two FP32 numbers (the kernel widens them back)."""
     hi = float(torch.tensor(x, dtype=torch.float32))
@@ -93,13 +102,14 @@ def _kernel() -> Any:
         grad_ptr, factor_ptr, scale_ptr, inf_ptr, step_ptr,
         master_ptr, exp_avg_ptr, exp_avg_sq_ptr, weight_ptr, n,
         lr_hi, lr_lo, beta1_hi, beta1_lo, beta2_hi, beta2_lo, eps_hi, eps_lo, wd_hi, wd_lo,
-        step_size_host, bc2_sqrt_hi, bc2_sqrt_lo,
+        step_size_host, bc2_sqrt_host,
         HAS_FACTOR: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, HAS_WD: tl.constexpr,
         STEP_ON_DEVICE: tl.constexpr, DECOUPLED: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
-        # torch's fused CUDA Adam (`adam_math` in fused_adam_utils.cuh), operation for operation: its
-        # hyperparameters and bias corrections are doubles, its values FP32 ("opmath"), so each
-        # expression that mixes them is computed in double and rounded to FP32 where it is stored.
+        # torch's fused CUDA Adam (`adam_math` in fused_adam_utils.cuh), in its order and precisions:
+        # hyperparameters are doubles (here to 48 bits: two floats), the bias corrections and the values
+        # FP32 ("opmath"), so each expression that mixes a hyperparameter in is computed in double and
+        # rounded to FP32 where torch stores it.
         offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
         mask = offs < n
         if HAS_INF:  # a skipped step writes nothing
@@ -122,11 +132,11 @@ def _kernel() -> Any:
             (tl.cast(beta2_hi, tl.float64) + tl.cast(beta2_lo, tl.float64)),
         )
         if STEP_ON_DEVICE:  # (lr / bias correction 1, sqrt(bias correction 2)) made from the device counter
-            step_size = tl.load(step_ptr + offs * 0).to(tl.float32)
+            step_size = tl.load(step_ptr + offs * 0)
             bc2_sqrt = tl.load(step_ptr + 1 + offs * 0)
         else:
             step_size = tl.cast(step_size_host, tl.float32)
-            bc2_sqrt = tl.cast(bc2_sqrt_hi, tl.float64) + tl.cast(bc2_sqrt_lo, tl.float64)
+            bc2_sqrt = tl.cast(bc2_sqrt_host, tl.float32)
         if HAS_WD:
             if DECOUPLED:
                 param = (param.to(tl.float64) - lr * wd * param.to(tl.float64)).to(tl.float32)
@@ -135,10 +145,9 @@ def _kernel() -> Any:
         g64 = grad.to(tl.float64)
         exp_avg = (beta1 * exp_avg.to(tl.float64) + (1 - beta1) * g64).to(tl.float32)
         exp_avg_sq = (beta2 * exp_avg_sq.to(tl.float64) + (1 - beta2) * g64 * g64).to(tl.float32)
-        denom = (
-            tl.sqrt_rn(exp_avg_sq).to(tl.float64) / bc2_sqrt
-            + (tl.cast(eps_hi, tl.float64) + tl.cast(eps_lo, tl.float64))
-        ).to(tl.float32)
+        # sqrt(v) / sqrt(bias correction 2) in FP32, then + eps in double
+        eps = tl.cast(eps_hi, tl.float64) + tl.cast(eps_lo, tl.float64)
+        denom = (tl.div_rn(tl.sqrt_rn(exp_avg_sq), bc2_sqrt).to(tl.float64) + eps).to(tl.float32)
         param = param - tl.div_rn(step_size * exp_avg, denom)  # IEEE division, as CUDA's `/`
         tl.store(master_ptr + offs, param, mask=mask)
         tl.store(exp_avg_ptr + offs, exp_avg, mask=mask)
@@ -171,30 +180,31 @@ def run_one_pass(
         torch._foreach_add_(steps, 1)
         # A counter on the device (fused or capturable): the bias corrections in double there, as
         # torch's fused kernel takes them (a few kernels for the whole group, no host read).
-        on_device = [step.device == slot.master.device for slot, step in zip(slots, steps, strict=True)]
+        on_device = [_counter_on_device(step, slot.master) for slot, step in zip(slots, steps, strict=True)]
         device_steps = [step for step, d in zip(steps, on_device, strict=True) if d]
         corrections = iter(())
         if device_steps:
             count = torch.stack(device_steps).double()
-            step_sizes = lr / (1 - torch.pow(beta1, count))
-            bc2_sqrts = torch.sqrt(1 - torch.pow(beta2, count))
+            # in double, passed on as FP32 (torch's kernel takes them as opmath_t)
+            step_sizes = (lr / (1 - torch.pow(beta1, count)).float().double()).float()
+            bc2_sqrts = torch.sqrt(1 - torch.pow(beta2, count)).float()
             corrections = iter(torch.stack([step_sizes, bc2_sqrts], dim=1))  # a (step size, sqrt) pair each
         hyper = [*_split(lr), *_split(beta1), *_split(beta2), *_split(eps), *_split(wd)]
         for slot, state, step, here in zip(slots, states, steps, on_device, strict=True):
             dummy = slot.master  # an unused pointer argument
             pair = next(corrections) if here else dummy
             step_size, bc2_sqrt = 0.0, 0.0
-            if not here:  # a CPU counter (for-loop or foreach, not capturable): torch's host arithmetic
+            if not here:  # a CPU counter (for-loop or foreach, not capturable): the same, on the host
                 k = float(step)
-                step_size = lr / (1 - beta1**k)
-                bc2_sqrt = (1 - beta2**k) ** 0.5
+                step_size = _fp32(lr / _fp32(1 - beta1**k))
+                bc2_sqrt = _fp32((1 - beta2**k) ** 0.5)
             n = slot.master.numel()
             kernel[(triton.cdiv(n, BLOCK),)](
                 slot.grad, slot.factor if slot.factor is not None else dummy,
                 grad_scale if grad_scale is not None else dummy,
                 found_inf if found_inf is not None else dummy,
                 pair, slot.master, state["exp_avg"], state["exp_avg_sq"], slot.weight, n,
-                *hyper, step_size, *_split(bc2_sqrt),
+                *hyper, step_size, bc2_sqrt,
                 HAS_FACTOR=slot.factor is not None, HAS_SCALE=grad_scale is not None,
                 HAS_INF=found_inf is not None, HAS_WD=wd != 0, STEP_ON_DEVICE=here, DECOUPLED=decoupled,
                 BLOCK=BLOCK,
