@@ -85,6 +85,7 @@ def run(
     if arm == "fp32":
         net = net.float()
     net.train()
+    torch.manual_seed(seed)  # the same dropout masks for every arm
     params = [p for p in net.parameters() if p.requires_grad]
     mode = {"fp32": True, "masters": True, "pure": False}.get(arm, arm)
     scaler = DynamicLossScaler(
