@@ -103,6 +103,7 @@ def shakespeare_clm(steps: int, seed: int) -> tuple[list, list, object]:
         from transformers import AutoConfig, AutoModelForCausalLM, logging
 
         logging.set_verbosity_error()
+        torch.manual_seed(0)  # the LM head's weights (not in the checkpoint): the same for every arm
         config = AutoConfig.from_pretrained(_minilm_path(), is_decoder=True)
         return AutoModelForCausalLM.from_pretrained(_minilm_path(), config=config, dtype=torch.float16)
 
@@ -112,6 +113,14 @@ def shakespeare_clm(steps: int, seed: int) -> tuple[list, list, object]:
 def loss_of(net: torch.nn.Module, batch: dict) -> torch.Tensor:
     labels = batch.get("labels", batch["input_ids"])
     return net(**{k: v for k, v in batch.items() if k != "labels"}, labels=labels).loss.float()
+
+
+def _line(r: dict) -> str:
+    lost, still = r["lost_share"], r["fp16_unmoved_share"]
+    head = f"| {r['task']} | {r['lr']:g} | {r['setting']} | {r['loss'][0]:.4f} -> {r['loss'][-1]:.4f} |"
+    if not lost:
+        return f"{head} — (no finite step) | — |"
+    return f"{head} {statistics.fmean(lost):.1%} ({min(lost):.1%}-{max(lost):.1%}) | {statistics.fmean(still):.1%} |"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -134,20 +143,19 @@ def main(argv: list[str] | None = None) -> int:
             r = run(arm, TASKS[task], opts.seed, data, held_out, make_net=make_net, loss_of=loss_of, eps=1e-8)
             r["task"] = task
             rows.append(r)
-            lost, still = r["lost_share"], r["fp16_unmoved_share"]
-            span = f"{statistics.fmean(lost):.1%} ({min(lost):.1%}-{max(lost):.1%})" if lost else "—"
-            line = (f"| {task} | {TASKS[task]:g} | {arm} | {r['loss'][0]:.4f} -> {r['loss'][-1]:.4f} | {span} | "
-                    f"{statistics.fmean(still):.1%} |" if still else f"| {task} | {TASKS[task]:g} | {arm} | "
-                    f"{r['loss'][0]:.4f} -> {r['loss'][-1]:.4f} | — (no finite step) | — |")  # fmt: skip
-            lines.append(line)
-            print(line, flush=True)
-    text = "\n".join(lines)
-    print(text)
+            lines.append(_line(r))
+            print(lines[-1], flush=True)
     if opts.out:
         from hf_lossscale.tools.files import atomic_write_text
 
+        # the other tasks' rows of an earlier run with the same steps and seed are kept
+        old = json.loads(Path(opts.out).read_text()) if Path(opts.out).is_file() else {}
+        if (old.get("steps"), old.get("seed")) == (opts.steps, opts.seed):
+            rows = [r for r in old["rows"] if r["task"] not in opts.tasks] + rows
+        lines = lines[:2] + [_line(r) for r in rows]
         atomic_write_text(opts.out, json.dumps({"steps": opts.steps, "seed": opts.seed, "rows": rows}) + "\n")
-        atomic_write_text(str(Path(opts.out).with_suffix(".md")), text + "\n")
+        atomic_write_text(str(Path(opts.out).with_suffix(".md")), "\n".join(lines) + "\n")
+    print("\n".join(lines))
     return 0
 
 
