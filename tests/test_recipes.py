@@ -308,3 +308,17 @@ def test_loss_divisor_must_be_a_power_of_two(divisor):
     module = load_recipe("language_modeling")
     with pytest.raises(ValueError, match="power of two"):
         module.DataTrainingArguments(train_file="x.txt", loss_divisor=int(divisor))
+
+
+def test_the_final_evaluation_reused_from_the_log_keeps_a_nan_a_number():
+    """Found by pure FP16 on tiny-shakespeare (its eval loss went NaN): the recipes reuse the last
+    logged evaluation, where the log holds NaN as null, and `math.exp(None)` (perplexity) then raised
+    after training had finished."""
+    import math
+    from types import SimpleNamespace
+
+    from hf_lossscale.recipes.recipe_args import _eval_at_last_step
+
+    state = SimpleNamespace(global_step=5, log_history=[{"eval_loss": None, "eval_runtime": 1.0, "step": 5}])
+    found = _eval_at_last_step(SimpleNamespace(state=state), SimpleNamespace(do_train=True))
+    assert math.isnan(found["eval_loss"]) and found["eval_runtime"] == 1.0

@@ -356,7 +356,8 @@ def _eval_at_last_step(trainer: Any, training_args: Any) -> dict[str, float] | N
     last = next((e for e in reversed(history) if "eval_loss" in e), None)
     if last is None or last.get("step") != trainer.state.global_step:
         return None
-    return {k: v for k, v in last.items() if k.startswith("eval_")}
+    # the log history holds a non-finite figure as null (LossScaleMixin.log): a number again here
+    return {k: math.nan if v is None else v for k, v in last.items() if k.startswith("eval_")}
 
 
 def train_and_evaluate(trainer: Any, training_args: Any, train_dataset: Any, eval_dataset: Any,
