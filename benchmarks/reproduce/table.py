@@ -219,6 +219,14 @@ def render_headline(folder: Path) -> str:
     per seed (the static 2^24 column only when some benchmark ran it). GPU runs: `render_masters`."""
     files = sorted(Path(folder).glob("*.json"), key=lambda p: (p.stem != "sst2", p.stem))
     results = [r for r in map(load, files) if not on_gpu(r)]
+    # comparisons of FP16 weights alone (FP32 against masters, Kahan, ...) are `render_masters`' rows
+    fp16_weights = ("master", "kahan", "stochastic", "pure")
+    results = [
+        r
+        for r in results
+        if not all(x["setting"] in ("fp32", *fp16_weights) for x in r["runs"])
+        or not any(x["setting"] in fp16_weights for x in r["runs"])
+    ]
     settings = ["fp32", "dynamic", "off"]
     for extra in ("static", "bf16"):  # a column only where some benchmark ran the setting
         if any(r["setting"] == extra for result in results for r in result["runs"]):
