@@ -114,6 +114,16 @@ class _StandIn(torch.Tensor):
         raise NotImplementedError
 
     @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        answered, result = cls._answer(func, args, kwargs)
+        return result if answered else cls._otherwise(func, args, kwargs)
+
+    @classmethod
+    def _otherwise(cls, func: Any, args: tuple, kwargs: dict) -> Any:
+        raise NotImplementedError
+
+    @classmethod
     def _answer(cls, func: Any, args: tuple, kwargs: dict) -> tuple[bool, Any]:
         """(True, the result) for the calls every stand-in answers itself; (False, None) otherwise."""
         name = getattr(func, "__name__", "")
@@ -149,11 +159,7 @@ class GradientInMaster(_StandIn):
         _zero_master_grad(stand_in)
 
     @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        answered, result = cls._answer(func, args, kwargs)
-        if answered:
-            return result
+    def _otherwise(cls, func: Any, args: tuple, kwargs: dict) -> Any:
         raise RuntimeError(f"{_REMEDY} (The call was {getattr(func, '__name__', '') or func}.)")
 
     def __repr__(self, *args: Any, **kwargs: Any) -> str:
@@ -172,11 +178,7 @@ class PendingGradient(_StandIn):
         _pending_pair(stand_in, zero=True)
 
     @classmethod
-    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
-        kwargs = kwargs or {}
-        answered, result = cls._answer(func, args, kwargs)
-        if answered:
-            return result
+    def _otherwise(cls, func: Any, args: tuple, kwargs: dict) -> Any:
         args, kwargs = torch.utils._pytree.tree_map_only(PendingGradient, _real, (args, kwargs))
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
