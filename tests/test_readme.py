@@ -221,3 +221,9 @@ def test_docs_build_fails_on_a_broken_link(tmp_path):
     result = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
                             cwd=tmp_path, capture_output=True, text=True, env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})  # fmt: skip
     assert result.returncode != 0 and "missing.md" in result.stderr
+
+
+def test_the_readme_is_a_landing_page():
+    """At most 150 lines (issue 56): the reference lives in docs/. Bug caught: a section of reference
+    material growing on the landing page instead of linking to its docs page."""
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 150

@@ -422,6 +422,25 @@ class LossScaleConfig:
             raise ValueError(f"Unknown LossScaleConfig field(s) {unknown}.")
         return dataclasses.replace(self, **changes)
 
+    def to_deepspeed_config(self) -> dict[str, Any]:
+        """Deprecated: `hf_lossscale.integrations.deepspeed.to_deepspeed_config(config)`, which this calls.
+
+        Kept for the scripts written against the release that had it; it warns (`FutureWarning`) and
+        will be removed in a later release.
+        """
+        import warnings
+
+        warnings.warn(
+            "LossScaleConfig.to_deepspeed_config() is deprecated and will be removed: call "
+            "hf_lossscale.integrations.deepspeed.to_deepspeed_config(config) instead.",
+            FutureWarning,
+            stacklevel=2,
+        )
+        # the one import from a higher tier in core/, for this deprecated call only (tests/test_layout.py)
+        from ..integrations.deepspeed import to_deepspeed_config
+
+        return to_deepspeed_config(self)
+
 
 def _module_patterns(value: Any, owner: str = "LossScaleConfig") -> tuple[str, ...]:
     """`fp32_modules` as a tuple of non-empty names: a string is split at commas."""
