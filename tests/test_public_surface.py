@@ -44,7 +44,9 @@ def _ours(cls_name: str, members: list[str]) -> list[str]:
 def test_each_public_member_of_the_last_release_is_there(cls_name):
     cls = getattr(hf_lossscale, cls_name)
     fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
-    missing = [m for m in _ours(cls_name, SURFACE["members"][cls_name]) if m not in fields and not hasattr(cls, m)]
+    missing = [
+        m for m in _ours(cls_name, SURFACE["members"][cls_name]) if m not in fields and not hasattr(cls, m)
+    ]
     assert missing == [], f"{cls_name} lost {missing}: deprecate before removing"
 
 
