@@ -71,25 +71,35 @@ def test_accumulation_with_one_nonfinite_loss_skips_the_step_and_counts_it(bad, 
     assert results[torch.float16] == results[torch.float32]
 
 
-def test_torch_clip_over_the_model_parameters_raises_at_once_with_the_remedy():
-    """Row 2: torch's recipe, `unscale_` then `torch.nn.utils.clip_grad_norm_(model.parameters())`,
-    cannot see gradients that live in the FP32 masters. Before: it returned 0 and clipped nothing (the
-    update went unclipped, silently). Now: it raises inside the clip, naming the scaler's clip."""
-    model = _model()
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    scaler = DynamicLossScaler(init_scale=2.0**8)
-    scaler.scale(_loss(model, 0)).backward()
-    scaler.unscale_(opt)
-    with pytest.raises(RuntimeError, match=r"scaler\.clip_grad_norm_\(optimizer, max_norm\)"):
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-    # the optimizer's own parameters (the masters) are the remedy, and torch's clip works on them
-    params = [p for g in opt.param_groups for p in g["params"]]
-    norm = torch.nn.utils.clip_grad_norm_(params, 1e-3)
-    assert norm > 1e-3
-    before = [p.detach().clone() for p in params]
-    scaler.step(opt)
-    update = torch.cat([(p.detach() - b).flatten() for p, b in zip(params, before, strict=True)])
-    assert 0 < update.norm() <= 0.1 * 1e-3 * 1.001  # lr x max_norm: clipped
+def test_torch_clip_over_the_model_parameters_clips_the_masters_gradients():
+    """Row 2: torch's recipe, `unscale_` then `torch.nn.utils.clip_grad_norm_(model.parameters())`, and
+    `clip_grad_value_` over the model. First design: it returned 0 and clipped nothing (the update went
+    unclipped, silently); issue 45: it raised, naming the scaler's clip. Now (issue 55): the FP16
+    parameter's `.grad` reads and writes its master's gradient, so the model's clip is the optimizer's,
+    as with FP32 weights: the same norm, the same clipped update. Bug caught: a marker whose reads
+    return the stand-in's own (zero) storage, or whose in-place clip writes a copy."""
+    results = {}
+    for dtype in (torch.float16, torch.float32):
+        model = _model(dtype)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        scaler = DynamicLossScaler(init_scale=2.0**8)
+        x = torch.randn(6, 4, generator=torch.Generator().manual_seed(0)).half()
+        half = {n: p if p.dtype == torch.float16 else p.half() for n, p in model.named_parameters()}
+        loss = torch.func.functional_call(model, half, (x,)).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.unscale_(opt)
+        norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+        torch.nn.utils.clip_grad_value_(model.parameters(), 2e-4)
+        per_param = [p.grad.float().norm() for p in model.parameters()]  # a user's per-parameter log
+        params = [p for g in opt.param_groups for p in g["params"]]
+        before = [p.detach().clone() for p in params]
+        scaler.step(opt)
+        update = torch.cat([(p.detach() - b).flatten() for p, b in zip(params, before, strict=True)])
+        results[dtype] = (norm, torch.stack(per_param), update)
+    (n16, p16, u16), (n32, p32, u32) = results[torch.float16], results[torch.float32]
+    assert n16 > 1e-3 and torch.equal(n16, n32)
+    assert torch.equal(p16, p32) and torch.equal(u16, u32)
+    assert 0 < u16.abs().max() <= 0.1 * 2e-4 * 1.001  # lr x clip value: clipped
 
 
 def test_a_second_optimizer_after_del_trains_and_the_old_masters_are_freed():

@@ -18,8 +18,8 @@ Who owns what:
 - **The gradient has one home.** The FP16 `.grad` collects a backward's gradient (in FP16, as the
   model computes it); the first gradient read of an iteration (`unscale_`, a clip, `step`) moves it
   into the master's FP32 `.grad` (one read, the FP16 one freed) and leaves a `GradientInMaster`
-  marker on the FP16 parameter: reading it (torch's `clip_grad_norm_(model.parameters())`, say)
-  raises at once and names the remedy; `zero_grad()` from either side clears the master's gradient,
+  marker on the FP16 parameter whose values are the master's gradient (torch's
+  `clip_grad_norm_(model.parameters())` reads and clips it); `zero_grad()` from either side clears it,
   as it would clear an FP32 parameter's; a backward on top of it accumulates onto the master's.
 - **Weights follow from either side.** After a step the FP16 weights are the masters rounded to
   nearest (ties to even). When something else writes the FP16 weights (`model.load_state_dict`, an
@@ -84,13 +84,7 @@ _CHECKED = (
     "_hf_lossscale_fp16_checked"  # for an optimizer without masters: (its layout, its frozen FP16 params)
 )
 
-_REMEDY = (
-    "This FP16 parameter's gradient lives in its FP32 master weight (hf_lossscale master weights): the "
-    "optimizer steps on the masters. Clip with `scaler.clip_grad_norm_(optimizer, max_norm)` or "
-    "`accelerator.clip_grad_norm_(model.parameters(), max_norm)`, or pass the optimizer's parameters "
-    "(`torch.nn.utils.clip_grad_norm_([p for g in optimizer.param_groups for p in g['params']], max_norm)`); "
-    "read a gradient with `scaler.master_weights.grad(optimizer, param)`."
-)
+_REMEDY = "A gradient is read with `scaler.master_weights.grad(optimizer, param)` too."
 # metadata a caller may read off a marker (torch's own `zero_grad` and grouping read these)
 _METADATA = frozenset({
     "device", "dtype", "shape", "is_sparse", "layout", "grad_fn", "requires_grad", "is_leaf", "ndim",
@@ -149,10 +143,12 @@ class _StandIn(torch.Tensor):
 
 class GradientInMaster(_StandIn):
     """What an FP16 parameter's `.grad` holds once its gradient moved into its FP32 master: a 2-byte
-    stand-in (a broadcast view) of the right shape and dtype. Reading its values raises at once with
-    the remedy; zeroing it (`zero_grad(set_to_none=False)`) zeroes the master's gradient; dropping
-    it (`zero_grad()`) frees the master's gradient; a backward on top of it accumulates onto the
-    master's gradient."""
+    stand-in (a broadcast view) of the right shape and dtype. Its values are the master's gradient:
+    reading them (a norm, a log, `get_total_norm`) reads the master's FP32 gradient, and writing them
+    in place (`clip_grad_value_`, `clip_grad_norm_(model.parameters())`, a hook's `mul_`) writes it,
+    as with FP32 weights, where the model's parameter and the optimizer's are one tensor. Zeroing it
+    (`zero_grad(set_to_none=False)`) zeroes the master's gradient; dropping it (`zero_grad()`) frees the
+    master's gradient; a backward on top of it accumulates onto the master's gradient."""
 
     @classmethod
     def _zero_held(cls, stand_in: torch.Tensor) -> None:
@@ -160,7 +156,9 @@ class GradientInMaster(_StandIn):
 
     @classmethod
     def _otherwise(cls, func: Any, args: tuple, kwargs: dict) -> Any:
-        raise RuntimeError(f"{_REMEDY} (The call was {getattr(func, '__name__', '') or func}.)")
+        args, kwargs = torch.utils._pytree.tree_map_only(GradientInMaster, _master_grad, (args, kwargs))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
 
     def __repr__(self, *args: Any, **kwargs: Any) -> str:
         return f"GradientInMaster(shape={tuple(self.shape)}, dtype={self.dtype}: the gradient is in the FP32 master)"
@@ -203,6 +201,24 @@ def _real(marker: PendingGradient) -> torch.Tensor:
     if pair is None:
         raise RuntimeError(
             "This stand-in of a master's pending gradient is stale: read the master's `.grad` again."
+        )
+    pair.materialise()
+    return pair.master.grad
+
+
+def _master_grad(marker: GradientInMaster) -> torch.Tensor:
+    """The FP32 gradient a marker stands for (a pending one made real first)."""
+    pair = marker.__dict__.get("_hf_pair")
+    pair = pair() if pair is not None else None
+    if (
+        pair is None
+        or not pair.marker_is(marker)
+        or (pair.master.grad is None and pair.live_pending() is None)
+    ):
+        raise RuntimeError(
+            "This FP16 parameter's `.grad` stands for a gradient of its FP32 master (hf_lossscale master "
+            "weights) that is gone (the optimizer's gradients were cleared, or a newer one replaced it): "
+            f"read the parameter's `.grad` again. {_REMEDY}"
         )
     pair.materialise()
     return pair.master.grad
@@ -332,6 +348,11 @@ class _Pair:
         half.grad = marker
 
 
+def _never_stepped(state: dict) -> bool:
+    step = state.get("step")
+    return step is not None and float(step) == 0.0
+
+
 def _marker_died(pair_ref: weakref.ref, ref: weakref.ref) -> None:
     """The FP16 side dropped its gradient (`zero_grad()`): the master's goes too, unless a backward
     came in on top of it (the hook dropped the marker) or the pair has a newer marker."""
@@ -434,6 +455,12 @@ class OptimizerMasters:
                     f"arithmetic chunk by chunk: not with {why}. Use master_weights=True (FP32 masters) there."
                 )
         state = optimizer.state.get(half)
+        adagrad_step = None
+        if state and isinstance(optimizer, torch.optim.Adagrad) and _never_stepped(state):
+            # Adagrad makes its state in its constructor, in the parameter's dtype: the master's is made
+            # below as Adagrad makes it for an FP32 parameter (its step counter kept)
+            adagrad_step = optimizer.state.pop(half)["step"]
+            state = None
         fp32_state = state and all(
             v.dtype == torch.float32
             for k, v in state.items()
@@ -467,6 +494,9 @@ class OptimizerMasters:
                 master.data = stand_in
         if master is None:
             master = torch.nn.Parameter(half.detach().float())
+        if adagrad_step is not None:
+            init = optimizer.defaults["initial_accumulator_value"]
+            optimizer.state[master] = {"step": adagrad_step, "sum": torch.full_like(master, init)}
         pair = _Pair(half=half, master=master, name=name, shell=shell)
         if self.mode == "kahan":
             pair.compensation = torch.zeros_like(half, memory_format=torch.contiguous_format)

@@ -29,7 +29,8 @@ from . import update_rule as rule
 from .clip import total_norm
 from .config import LossScaleConfig
 from .distributed import world_size
-from .master_weights import MasterWeights, grad_for
+from .master_weights import MasterWeights, grad_for, masters_of
+from .optimizer_wrappers import inner_optimizer as _inner_optimizer
 from .scaler_args import scaler_arguments
 from .scaler_observers import (
     LossScaleCollapseError,
@@ -368,6 +369,15 @@ class DynamicLossScaler(torch.amp.GradScaler):
         if self.config.master_weights is not False:
             self.master_weights.prepare(optimizer, defer and self.config.at_min_scale != "clamp")
 
+    def _holds_fp16(self, optimizer: torch.optim.Optimizer) -> bool:
+        """The optimizer steps trainable FP16 parameters (on their masters, when configured)."""
+        masters = masters_of(optimizer)
+        return bool(masters and masters.pairs) or any(
+            p.dtype == torch.float16 and p.requires_grad
+            for g in _inner_optimizer(optimizer).param_groups
+            for p in g["params"]
+        )
+
     def _check(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
         """Check for inf/NaN without unscaling (fused optimizers unscale inside their kernel)."""
         self._require_init("step")
@@ -390,13 +400,21 @@ class DynamicLossScaler(torch.amp.GradScaler):
         reads the found-inf flag once (one synchronisation, as `torch.amp.GradScaler` does).
         Returns what `optimizer.step()` returns (`None` when skipped).
         """
+        closure = kwargs.get("closure", args[0] if args else None)
+        if closure is not None and (self.is_enabled() or self._holds_fp16(optimizer)):
+            raise RuntimeError(
+                "Closure use is not currently supported when loss scaling is enabled or the model is held in "
+                f"FP16: {type(_inner_optimizer(optimizer)).__name__}.step() was given a closure, which "
+                "re-runs the forward and backward inside optimizer.step() (torch.optim.LBFGS does): those "
+                "gradients come after the scaler's inf/NaN check and unscale (and, for a model held in FP16, "
+                "outside its FP32 masters), so the step cannot be loss-scaled. Train such an optimizer with "
+                "FP32 weights and no loss scaling (torch.amp.GradScaler refuses closures too)."
+            )
         if not self.is_enabled():  # no scaling; a model held in FP16 still steps on its masters
             self._gather_masters(optimizer, defer=True)
             retval = optimizer.step(*args, **kwargs)
             self.master_weights.write_back(optimizer)
             return retval
-        if "closure" in kwargs:
-            raise RuntimeError("Closure use is not supported when loss scaling is enabled.")
         self._require_init("step")
         state = self._per_optimizer_states[id(optimizer)]
         if state["stage"] is OptState.STEPPED:
