@@ -91,7 +91,58 @@ def initial_values(seed: int = 0) -> dict[str, torch.Tensor]:
     return {n: torch.randn(shape, generator=g).half() for n, shape in SHAPES.items()}
 
 
+class Lion(torch.optim.Optimizer):
+    """A user's own optimizer (Lion, Chen et al. 2023, as its reference code writes it): reads `p.grad`,
+    writes `p` in place, keeps its state in `self.state[p]`."""
+
+    def __init__(self, params, lr: float = 1e-4, betas=(0.9, 0.99), weight_decay: float = 0.0) -> None:
+        super().__init__(params, {"lr": lr, "betas": betas, "weight_decay": weight_decay})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                state = self.state[p]
+                if not state:
+                    state["exp_avg"] = torch.zeros_like(p)
+                update = state["exp_avg"].mul(b1).add(p.grad, alpha=1 - b1).sign_()
+                p.add_(update, alpha=-group["lr"])
+                state["exp_avg"].mul_(b2).add_(p.grad, alpha=1 - b2)
+
+
+def _adafactor(params: list, lr: float, relative: bool):
+    from transformers.optimization import Adafactor
+
+    if relative:  # transformers' defaults: the step size from the parameter's RMS
+        return Adafactor(params, lr=None)
+    return Adafactor(params, lr=lr, relative_step=False, scale_parameter=False, warmup_init=False)
+
+
+#: Optimizers beyond torch's Adam/AdamW/SGD (issue 55): each steps on the masters with its own code.
+OTHER_OPTIMIZERS = {
+    "adagrad": lambda ps, lr: torch.optim.Adagrad(ps, lr=lr, initial_accumulator_value=0.1),
+    "rmsprop": lambda ps, lr: torch.optim.RMSprop(ps, lr=lr / 5, momentum=0.5),
+    "nadam": lambda ps, lr: torch.optim.NAdam(ps, lr=lr),
+    "radam": lambda ps, lr: torch.optim.RAdam(ps, lr=lr),
+    "adamax": lambda ps, lr: torch.optim.Adamax(ps, lr=lr),
+    "adam_amsgrad": lambda ps, lr: torch.optim.Adam(ps, lr=lr, amsgrad=True),
+    "adadelta": lambda ps, lr: torch.optim.Adadelta(ps, lr=lr * 10),
+    "asgd": lambda ps, lr: torch.optim.ASGD(ps, lr=lr),
+    "rprop": lambda ps, lr: torch.optim.Rprop(ps, lr=lr / 5),
+    "sgd_nesterov": lambda ps, lr: torch.optim.SGD(ps, lr=lr, momentum=0.9, nesterov=True),
+    "adafactor": lambda ps, lr: _adafactor(ps, lr, relative=False),
+    "adafactor_relative": lambda ps, lr: _adafactor(ps, lr, relative=True),
+    "lion": lambda ps, lr: Lion(ps, lr=lr / 10, weight_decay=0.1),
+}
+
+
 def make_optimizer(kind: str, params: list, lr: float):
+    if kind in OTHER_OPTIMIZERS:
+        return OTHER_OPTIMIZERS[kind](params, lr)
     if kind == "sgd":
         return torch.optim.SGD(params, lr=lr)
     if kind == "sgd_momentum":
@@ -225,6 +276,9 @@ def check(sub: Side, ref: Side, where: str, grads: bool = True) -> None:
             for key in sa:
                 va, vb = sa[key], sb[key]
                 if isinstance(va, torch.Tensor):
+                    # Before its first step an FP16 parameter has no master yet, and a state its optimizer's
+                    # constructor made (Adagrad's `sum`) is in the parameter's dtype: the reference's, rounded.
+                    vb = vb.to(va.dtype) if a.dtype == torch.float16 else vb
                     assert torch.equal(va, vb), f"{where}: optimizer {i} state {key} of tensor {k} differs"
                 else:
                     assert va == vb, where

@@ -359,3 +359,27 @@ def test_step_was_skipped_reads_the_device_only_for_fused_kernels(optimizer):
         reads = count_reads(lambda: opt.step_was_skipped)
         assert reads == (1 if optimizer == "adamw_fused" else 0)
         assert opt.step_was_skipped is bad and count_reads(lambda: opt.step_was_skipped) == 0
+
+
+def test_the_members_of_the_accelerator_the_hook_sets():
+    """Issue 56: what `install_loss_scaler` and `prepare()` change on the one `Accelerator`, by comparing its
+    instance attributes before and after. On a CPU with emulated FP16: the scaler slot, our namespace,
+    `native_amp`, `autocast`, `backward`, the two `prepare_*` and `clip_grad_norm_` (8; `clip_grad_value_`
+    needs no wrapper since the FP16 parameters' `.grad` reads the masters'). Bug caught: a new member
+    patched without anyone deciding to (each one is a place Accelerate's own code can be bypassed)."""
+    from accelerate import Accelerator
+
+    from hf_lossscale import install_loss_scaler
+
+    acc = Accelerator(mixed_precision="fp16", cpu=True)
+    before = {k: v for k, v in vars(acc).items()}
+    install_loss_scaler(acc)
+    model = torch.nn.Linear(2, 2).half()
+    acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    changed = sorted(k for k, v in vars(acc).items() if k not in before or before[k] is not v)
+    bookkeeping = {"_models", "_optimizers", "_schedulers", "_dataloaders", "_custom_objects", "step",
+                   "_load_model_state_pre_hook", "_save_model_state_pre_hook", "flag_tensor"}  # fmt: skip
+    assert [k for k in changed if k not in bookkeeping] == [
+        "autocast", "backward", "clip_grad_norm_", "hf_lossscale", "native_amp", "prepare_model",
+        "prepare_optimizer", "scaler",
+    ]  # fmt: skip

@@ -31,7 +31,7 @@ MOVES = (
     "freeze",
     "unfreeze",
 )
-CLIPS = ("none", "scaler", "torch", "scaler_params")
+CLIPS = ("none", "scaler", "torch", "scaler_params", "torch_model", "value_model")
 
 micro = st.tuples(st.sampled_from(KINDS), st.sampled_from(("keep",) * 4 + ZERO[1:]))
 per_opt = st.tuples(
@@ -86,7 +86,20 @@ def _clip(side: Side, i: int, kind: str, max_norm: float):
     if kind == "torch":  # torch's recipe (after unscale_) over the optimizer's parameters (the masters)
         side.scaler.unscale_(opt)
         return torch.nn.utils.clip_grad_norm_(side.opt_params(i), max_norm)
+    model_params = [side.params[n] for n in side.names_of(i)]  # the model's (FP16 on the subject)
+    if kind == "torch_model":  # torch's recipe over the model's parameters (issue 55)
+        side.scaler.unscale_(opt)
+        return torch.nn.utils.clip_grad_norm_(model_params, max_norm)
+    if kind == "value_model":
+        side.scaler.unscale_(opt)
+        torch.nn.utils.clip_grad_value_(model_params, max_norm * 2.0**-3)
+        return None
     return None
+
+
+def _logged_norms(side: Side) -> list:
+    """A user's per-parameter gradient-norm log over the model's parameters (what it reads off `.grad`)."""
+    return [None if p.grad is None else float(p.grad.float().norm()) for p in side.params.values()]
 
 
 def run_program(prog: dict) -> None:
@@ -113,6 +126,8 @@ def run_program(prog: dict) -> None:
                 if isinstance(a, torch.Tensor):
                     assert torch.equal(a.float().nan_to_num(7.0), b.float().nan_to_num(7.0)), (a, b)
                 check(sub, ref, f"iteration {it} clip {clip} {i}")
+                a, b = both(sub, ref, _logged_norms)
+                assert str(a) == str(b), f"iteration {it}: logged gradient norms {a} vs {b}"
             if step:
                 both(sub, ref, lambda s, i=i: s.scaler.step(s.optimizers[i]))
                 stepped = True

@@ -24,7 +24,8 @@ Who owns what:
 - **Weights follow from either side.** After a step the FP16 weights are the masters rounded to
   nearest (ties to even). When something else writes the FP16 weights (`model.load_state_dict`, an
   FP32 phase, a hand edit: seen by the tensor's version counter), the masters are read again from
-  them at the next step.
+  them at the next step. A cast of the model (`model.float()`, `.to(torch.bfloat16)`) is not a
+  write: the masters carry on and the weights are them in the new dtype.
 - **A state carries its masters.** `optimizer.state_dict()` holds each master under
   `state[i]["hf_lossscale_master"]` (every optimizer, SGD without momentum and parameters that never
   got a gradient included); `load_state_dict()` takes them and, at the next step, keeps a loaded master
@@ -251,6 +252,9 @@ class _Pair:
     # optimizer holds (its state's key) and the chunked update reads and writes around
     compensation: torch.Tensor | None = None
     shell: bool = False
+    dtype: torch.dtype = (
+        torch.float16
+    )  # the weight's dtype at our last write (a cast of the model changes it)
     stash: torch.Tensor | None = field(default=None, repr=False)  # the gradient, during the chunked step
     # the FP16 gradient itself, read but not cast (`gather(defer=True)`): the chunked step casts it a
     # chunk at a time, times `factor` (the unscale, and clip, multiplier; None: still scaled)
@@ -388,6 +392,12 @@ class OptimizerMasters:
         original = optimizer.__dict__.get("zero_grad")
         original = original if original is not None else functools.partial(type(optimizer).zero_grad)
         optimizer.zero_grad = functools.partial(_zero_grad, original, weakref.ref(optimizer), ref)
+        # an optimizer that moves its parameters itself outside `step()` (schedule-free's `eval()` and
+        # `train()`, which the Trainer calls around evaluation) moves the masters: the FP16 weights follow
+        for mode_switch in ("eval", "train"):
+            own = getattr(optimizer, mode_switch, None)
+            if callable(own) and not isinstance(own, functools.partial):
+                setattr(optimizer, mode_switch, functools.partial(_then_write_back, own, ref))
         optimizer.register_state_dict_post_hook(functools.partial(_state_dict_hook, ref))
         optimizer.register_load_state_dict_pre_hook(functools.partial(_load_pre_hook, ref))
         optimizer.register_load_state_dict_post_hook(functools.partial(_load_post_hook, ref))
@@ -497,7 +507,7 @@ class OptimizerMasters:
         if adagrad_step is not None:
             init = optimizer.defaults["initial_accumulator_value"]
             optimizer.state[master] = {"step": adagrad_step, "sum": torch.full_like(master, init)}
-        pair = _Pair(half=half, master=master, name=name, shell=shell)
+        pair = _Pair(half=half, master=master, name=name, shell=shell, dtype=half.dtype)
         if self.mode == "kahan":
             pair.compensation = torch.zeros_like(half, memory_format=torch.contiguous_format)
         if self.mode == "stochastic_rounding" and half.device not in self.generators:
@@ -554,6 +564,11 @@ class OptimizerMasters:
             elif isinstance(grad, GradientInMaster):
                 if not pair.marker_is(grad):  # another optimizer's master holds it: none here
                     pair.drop()
+                elif pair.master.grad is None and pair.live_pending() is None:
+                    # the master's gradient was cleared by hand (`p.grad = None` on the optimizer's
+                    # parameter): the model's parameter has none either, as with FP32 weights
+                    pair._marker = None
+                    pair.half.grad = None
                 elif id(pair.master) not in deferred:
                     pair.materialise()
                 continue
@@ -656,15 +671,33 @@ class OptimizerMasters:
 
     def follow_weights(self) -> None:
         """Weights written from outside since our last write (their version counter moved) are read
-        into their masters."""
+        into their masters. A cast of the model (`model.float()`, `.to(torch.bfloat16)`) is not a write:
+        the masters carry on, and the weights are them in the new dtype from the next write on."""
         for pair in self.pairs.values():
             if pair.weight_version() != pair.version:
+                if pair.half.dtype != pair.dtype and self._cast_of_ours(pair):
+                    pair.dtype = pair.half.dtype
+                    with torch.no_grad():
+                        pair.half.copy_(pair.master)  # FP32: the master itself; BF16: it rounded
+                    pair.version = pair.weight_version()
+                    continue
                 with torch.no_grad():
                     if pair.compensation is not None:  # the weight written is the value: nothing to carry
                         pair.compensation.zero_()
                     elif not pair.shell:
                         pair.master.copy_(pair.half)
                 pair.version = pair.weight_version()
+
+    def _cast_of_ours(self, pair: _Pair) -> bool:
+        """Whether the weight, in a dtype it did not have, is our last FP16 write cast (not new values)."""
+        if pair.shell:
+            raise ValueError(
+                f"master_weights={self.mode!r} keeps no FP32 master and updates the weights in "
+                f"{pair.dtype} itself: {pair.name or 'a parameter'} is now {pair.half.dtype} (the model was "
+                "cast mid-run). Cast the model before its first step, or use master_weights=True."
+            )
+        with torch.no_grad():
+            return bool(torch.equal(pair.master.to(pair.dtype).to(pair.half.dtype), pair.half))
 
     def write_back(self) -> None:
         """The FP16 weights from the masters (round to nearest even), where the chunked step has not
@@ -871,6 +904,15 @@ def _release(pairs: dict[int, _Pair], handles: list) -> None:
     for pair in pairs.values():
         if pair.marker_is(pair.half.grad):
             pair.half.grad = None
+
+
+def _then_write_back(original: Callable, ref: weakref.ref, *args: Any, **kwargs: Any) -> Any:
+    result = original(*args, **kwargs)
+    masters = ref()
+    if masters is not None:
+        masters.take_loaded(final=True)
+        masters.write_back()
+    return result
 
 
 def _zero_grad(original: Callable, opt_ref: weakref.ref, ref: weakref.ref, set_to_none: bool = True) -> None:

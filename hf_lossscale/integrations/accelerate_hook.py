@@ -2,9 +2,9 @@
 
 Nothing here patches Accelerate globally. On the one `Accelerator` it is given, the hook sets
 `scaler` (Accelerate's own slot), keeps what it installed in one namespace, `accelerator.hf_lossscale`
-(a `LossScaleInstall`), and wraps four of its methods: `prepare_model` and `prepare_optimizer` (so
-what is prepared later gets the scaler and the FP16 compute), `clip_grad_norm_` and
-`clip_grad_value_` (one read of the gradients; FP32 masters). On a CPU it also turns `native_amp` on
+(a `LossScaleInstall`), and wraps three of its methods: `prepare_model` and `prepare_optimizer` (so
+what is prepared later gets the scaler and the FP16 compute) and `clip_grad_norm_` (one read of the
+gradients). On a CPU it also turns `native_amp` on
 (Accelerate's gate for unscaling), and, when FP16 is emulated, wraps `autocast` and `backward` in the
 emulation (native CPU FP16 is Accelerate's own autocast). Optimizers are wrapped through
 `AcceleratedOptimizer`'s own constructor; only where accelerate issue 4242 exists
@@ -103,7 +103,7 @@ class LossScaleInstall:
     context: Callable[[], contextlib.AbstractContextManager] | None = None
     #: the `load_state` pre-hook's handle (the resume rule)
     load_hook: Any = None
-    #: whether prepare_model / prepare_optimizer, clip_grad_norm_ / clip_grad_value_ are wrapped
+    #: whether prepare_model / prepare_optimizer, clip_grad_norm_ are wrapped
     prepare_wrapped: bool = False
     clip_routed: bool = False
 
@@ -376,6 +376,22 @@ def _wrap_prepared_optimizer(accelerator: Accelerator, prepared: Any, scaler: Dy
     return wrapped
 
 
+#: Optimizers that update the weights inside the backward (`accelerator.backward(loss, learning_rate=...)`),
+#: with no step for a loss scaler to check or skip: lomo-optim's LOMO and AdaLomo.
+FUSED_BACKWARD = ("Lomo", "AdaLomo")
+
+
+def _refuse_fused_backward(optimizer: Any) -> None:
+    name = type(inner_optimizer(optimizer)).__name__
+    if name in FUSED_BACKWARD:
+        raise ValueError(
+            f"install_loss_scaler: {name} (optim='{name.lower()}') updates the weights inside the backward, so "
+            "no step is left for the loss scaler to check for inf/NaN or skip; it keeps its own loss scale in "
+            "FP16. Use it without hf_lossscale (plain `Trainer`, no `install_loss_scaler`), or an optimizer "
+            "that steps (`adamw_torch_fused`, `adafactor`) with the loss scaler."
+        )
+
+
 def _attach_masters(opt: Any, scaler: DynamicLossScaler) -> None:
     if scaler.config.master_weights is not False:
         # a model held in FP16: its masters now, so that `load_state` restores them and a clip from
@@ -485,6 +501,7 @@ def _hook_prepare(accelerator: Accelerator) -> None:
 
     @functools.wraps(prepare_optimizer)
     def hooked_prepare_optimizer(optimizer, *args, **kwargs):
+        _refuse_fused_backward(optimizer)
         prepared = prepare_optimizer(optimizer, *args, **kwargs)
         if isinstance(accelerator.scaler, DynamicLossScaler):
             return _wrap_prepared_optimizer(accelerator, prepared, accelerator.scaler)
@@ -530,14 +547,8 @@ def _route_clip(accelerator: Accelerator) -> None:
         return scaler.clip_grad_norm_(target, max_norm, norm_type, parameters=parameters)
 
     accelerator.clip_grad_norm_ = clip_grad_norm_
-    original_value = accelerator.clip_grad_value_
-
-    @functools.wraps(original_value)
-    def clip_grad_value_(parameters, clip_value):
-        # a model held in FP16: the values clipped are its masters' gradients (Accelerate unscales first)
-        return original_value(_as_masters(accelerator, list(parameters)), clip_value)
-
-    accelerator.clip_grad_value_ = clip_grad_value_
+    # (`accelerator.clip_grad_value_` needs nothing: Accelerate unscales, which moves a model held in FP16's
+    # gradients into its masters, and the FP16 parameters' `.grad` then clips the masters' gradients)
 
 
 def _single_optimizer_of(accelerator: Accelerator, parameters: list[torch.Tensor]) -> Any:
