@@ -390,3 +390,34 @@ def test_gpu_prepare_carries_the_data_instead_of_trl(tmp_path):
     assert "trl" not in manifest["packages"] and not list(tmp_path.glob("trl-*.whl"))
     prep.main(["--out", str(tmp_path), "--no-download"])
     assert "trl" in json.loads((tmp_path / "manifest.json").read_text())["packages"]
+
+
+def test_peer_suites_runs_each_suite_twice_and_names_what_fails_only_with_ours(tmp_path):
+    """A peer "suite" written here: one test passes in both runs, one only where our scaler is bound (it
+    asks for it), one only upstream (it asks for torch's), one fails in both, one skips. Bugs caught:
+    the binding not applied in the `ours` child (or applied in both), a regression counted from the
+    wrong run, a skipped test counted as ran, the summary file half-written."""
+    suite = tmp_path / "test_peer.py"
+    suite.write_text(
+        "import pytest, torch\n"
+        "from accelerate import Accelerator\n"
+        "def _scaler():\n"
+        "    return type(Accelerator(mixed_precision='fp16', cpu=True).scaler).__name__\n"
+        "def test_both(): assert 1 + 1 == 2\n"
+        "def test_only_ours(): assert _scaler() == 'DynamicLossScaler'\n"
+        "def test_only_upstream(): assert _scaler() != 'DynamicLossScaler'\n"
+        "def test_neither(): assert False, 'fails in both'\n"
+        "def test_skipped(): pytest.skip('not here')\n"
+    )
+    out = tmp_path / "summary.json"
+    assert load("peer_suites").main(["accelerate", str(suite), "--json", str(out)]) == 0
+    summary = json.loads(out.read_text())
+    assert (summary["ran"], summary["pass_upstream"], summary["pass_ours"], summary["skipped_upstream"]) == (
+        4,
+        2,
+        2,
+        1,
+    )
+    assert [r["test"].split("::")[-1] for r in summary["pass_upstream_fail_ours"]] == ["test_only_upstream"]
+    assert [t.split("::")[-1] for t in summary["fail_upstream_pass_ours"]] == ["test_only_ours"]
+    assert not list(tmp_path.glob("*.tmp"))
