@@ -59,8 +59,8 @@ def _time(fn, steps: int, repeats: int) -> tuple[float, float, float]:
 
 
 def run(shapes: list[tuple[int, ...]], steps: int, repeats: int) -> dict:
-    from hf_lossscale.core.master_kernel import OnePassSlot, run_one_pass
-    from hf_lossscale.core.master_step import Slot, adam_state, run_chunked
+    from hf_lossscale.masters.kernel import OnePassSlot, run_one_pass
+    from hf_lossscale.masters.step import Slot, adam_state, run_chunked
 
     dev = "cuda"
     masters = [torch.randn(s, device=dev) * 0.02 for s in shapes]
@@ -118,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="Write the figures here.")
     opts = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    from hf_lossscale.core.master_kernel import triton_available
+    from hf_lossscale.masters.kernel import triton_available
 
     if not torch.cuda.is_available() or not triton_available():
         print("master_kernel.py: needs CUDA and Triton (this machine has "

@@ -121,7 +121,7 @@ def step_cost(repeats: int, n_tensors: int = 40, numel: int = 262_144) -> dict:
     import torch
 
     from hf_lossscale import DynamicLossScaler
-    from hf_lossscale.core.master_weights import MasterWeights
+    from hf_lossscale.masters.weights import MasterWeights
 
     torch.manual_seed(0)
     halves = [torch.nn.Parameter(torch.randn(numel).half()) for _ in range(n_tensors)]

@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
-from hf_lossscale.core import master_kernel
-from hf_lossscale.core.master_kernel import OnePassSlot, one_pass_reason, run_one_pass
+from hf_lossscale.masters import kernel as master_kernel
+from hf_lossscale.masters.kernel import OnePassSlot, one_pass_reason, run_one_pass
 
 needs_triton = pytest.mark.skipif(not master_kernel.triton_available(), reason="Triton is not installed")
 
@@ -233,7 +233,7 @@ def test_the_scaler_steps_through_the_kernel_as_through_the_chunked_update(devic
         calls.append(1)
         return real(*args, **kwargs)
 
-    import hf_lossscale.core.master_weights as mw
+    import hf_lossscale.masters.optimizer as mw
 
     monkeypatch.setattr(mw, "run_one_pass", counting)
     model_k, masters_k, skipped_k, opt_k = _train_with_scaler(device, fused, clip)

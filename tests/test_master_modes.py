@@ -1,4 +1,4 @@
-"""The chunked update (`core/master_step.py`) and the ways of holding FP16 weights below the FP32
+"""The chunked update (`masters/step.py`) and the ways of holding FP16 weights below the FP32
 masters' memory: `master_weights="kahan"` and `"stochastic_rounding"` (issue 49)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from hf_lossscale import DynamicLossScaler, LossScaleConfig
-from hf_lossscale.core.master_step import ALIGN, Slot, round_stochastic, run_chunked
+from hf_lossscale.masters.step import ALIGN, Slot, round_stochastic, run_chunked
 
 SHAPES = [(300, 7), (1000,), (5,), (77, 13), (1,)]
 

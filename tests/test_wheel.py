@@ -41,7 +41,7 @@ def test_wheel_holds_the_recipes_the_demo_runs(wheel_names):
     assert RECIPE.relative_to(ROOT).as_posix() in wheel_names
     for needed in ("hf_lossscale/recipes/text_classification.py", "hf_lossscale/recipes/recipe_args.py",
                    "hf_lossscale/recipes/metrics/accuracy/accuracy.py", "hf_lossscale/recipes/metrics/f1/f1.py",
-                   "hf_lossscale/core/scaler.py", "hf_lossscale/integrations/trainer.py", "hf_lossscale/tools/cli.py",
+                   "hf_lossscale/core/scaler.py", "hf_lossscale/masters/weights.py", "hf_lossscale/integrations/trainer.py", "hf_lossscale/tools/cli.py",
                    "hf_lossscale/fp16/emulation.py", "hf_lossscale/py.typed"):  # fmt: skip
         assert needed in wheel_names, needed
     assert not any(n.startswith(("tests/", "benchmarks/", "recipes/")) for n in wheel_names)

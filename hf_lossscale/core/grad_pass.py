@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
+from ..masters.pair import PendingGradient
 from .distributed import all_reduce_max
-from .master_weights import PendingGradient
 
 __all__ = [
     "check_",

@@ -13,6 +13,13 @@ from typing import Any
 import torch
 
 
+def tracing_or_capturing() -> bool:
+    """Inside torch.compile's tracing, or a CUDA graph capture: no host work may run."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
 class HostCopy:
     def __init__(self, tensor: torch.Tensor) -> None:
         device = tensor.device

@@ -15,7 +15,6 @@ rule (`update_rule`: functions of the config, the state and the iteration's flag
 from __future__ import annotations
 
 import itertools
-import math
 import warnings
 from collections import abc, defaultdict
 from collections.abc import Iterable
@@ -24,13 +23,13 @@ from typing import Any
 import torch
 from torch.amp.grad_scaler import OptState  # torch's stages: third-party code compares against them
 
-from . import grad_pass
+from ..masters.optimizer_wrappers import inner_optimizer as _inner_optimizer
+from ..masters.weights import MasterWeights, grad_for, masters_of
+from . import grad_pass, scaler_clip
 from . import update_rule as rule
-from .clip import total_norm
 from .config import LossScaleConfig
 from .distributed import world_size
-from .master_weights import MasterWeights, grad_for, masters_of
-from .optimizer_wrappers import inner_optimizer as _inner_optimizer
+from .hostcopy import tracing_or_capturing
 from .scaler_args import scaler_arguments
 from .scaler_observers import (
     LossScaleCollapseError,
@@ -40,6 +39,7 @@ from .scaler_observers import (
     default_observers,
 )
 from .scaler_state import STATE_FORMAT, STATE_FORMAT_VERSION, ScalerState, StepCounts
+from .scaler_surface import TorchSurface
 from .step_flags import StepFlags
 from .telemetry import FP16_MAX, GradientTelemetry
 from .update_rule import RuleConstants, StepOutcome
@@ -52,11 +52,9 @@ def _fresh_optimizer_state() -> dict[str, Any]:
     return {"stage": OptState.READY, "found_inf_per_device": {}}
 
 
-def _tracing_or_capturing() -> bool:
-    """Inside torch.compile's tracing, or a CUDA graph capture: no host work may run."""
-    if torch.compiler.is_compiling():
-        return True
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+def _of_last_step(attr: str, doc: str) -> property:
+    """A read-only property of the scaler that reads `last_step.<attr>` (the `StepOutcome`)."""
+    return property(lambda self: getattr(self.last_step, attr), doc=f"`last_step.{attr}`: {doc}")
 
 
 # Why a subclass of torch's GradScaler: code that takes "a GradScaler" checks it with isinstance
@@ -64,7 +62,7 @@ def _tracing_or_capturing() -> bool:
 # Nothing of torch's implementation runs: __init__ is not called and every method torch's class
 # defines is overridden here (its private ones in the block at the end of the class);
 # tests/test_torch_gradscaler_contract.py holds that to the list.
-class DynamicLossScaler(torch.amp.GradScaler):
+class DynamicLossScaler(TorchSurface, torch.amp.GradScaler):
     """Loss scaler with a floor, a ceiling, hysteresis, static and off modes, and skip counters.
 
     It keeps `torch.amp.GradScaler`'s methods and call order (`scale`, `unscale_`, `step`,
@@ -170,25 +168,6 @@ class DynamicLossScaler(torch.amp.GradScaler):
     def is_enabled(self) -> bool:
         """`False` in `"off"` mode: then `scale`, `unscale_` are no-ops and `step` just steps."""
         return self.config.mode != "off"
-
-    def get_growth_factor(self) -> float:
-        return self.config.growth_factor
-
-    def set_growth_factor(self, new_factor: float) -> None:
-        self.config = self.config.replace(growth_factor=new_factor)
-
-    def get_backoff_factor(self) -> float:
-        return self.config.backoff_factor
-
-    def set_backoff_factor(self, new_factor: float) -> None:
-        self.config = self.config.replace(backoff_factor=new_factor)
-
-    def get_growth_interval(self) -> int:
-        return self.config.growth_interval
-
-    def set_growth_interval(self, new_interval: int) -> None:
-        self.config = self.config.replace(growth_interval=new_interval)
-        rule.clamp_growth_tracker(self.config, self.state)
 
     def set_parameter_names(self, named: torch.nn.Module | Iterable[tuple[str, torch.Tensor]]) -> None:
         """Name parameters (a module or `named_parameters()` pairs) for overflow and error reports."""
@@ -559,94 +538,9 @@ class DynamicLossScaler(torch.amp.GradScaler):
         `parameters=model.parameters()` gives `torch.nn.utils.clip_grad_norm_(model.parameters())`'s
         norm bitwise; those with gradients must be exactly the optimizer's parameters with gradients.
         """
-        if self.state.materialised or not self.is_enabled():
-            # a model held in FP16: its gradients read for its masters (left FP16 where the step casts
-            # them chunk by chunk; the plain paths below cast them)
-            self._gather_masters(optimizer, defer=True)
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        if parameters is not None:  # the model's FP16 parameters: their masters
-            parameters = [self.master_weights.master_of(optimizer, p) for p in parameters]
-            given = {id(p) for p in parameters if grad_for(optimizer, p) is not None}
-            if given != {id(p) for p in params if grad_for(optimizer, p) is not None}:
-                raise ValueError(
-                    "clip_grad_norm_(parameters=...): the parameters with gradients must be exactly the "
-                    "optimizer's parameters with gradients (it clips what this optimizer steps)."
-                )
-            params = parameters
-        if not self.is_enabled():
-            self.master_weights.materialise(optimizer)
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
-        self._require_init("clip_grad_norm_")
-        state = self._per_optimizer_states[id(optimizer)]
-        if state["stage"] is OptState.STEPPED:
-            raise RuntimeError("clip_grad_norm_() is being called after step().")
-        norm_type = float(norm_type)
-        grads = [grad_for(optimizer, p) for p in params]
-        with_grad = [p for p, g in zip(params, grads, strict=True) if g is not None]
-        grads = [g for g in grads if g is not None]
-        if (
-            state["stage"] is OptState.UNSCALED
-            or self.config.at_min_scale == "clamp"  # unscale_ clamps first: the clip sees the clamped values
-            or norm_type not in (2.0, math.inf)
-            or self._found_inf_group is not None
-            or any(g.is_sparse for g in grads)
-        ):
-            if state["stage"] is OptState.READY:
-                self.unscale_(optimizer)
-            else:
-                self._apply_deferred_unscale(optimizer, state)
-            self.master_weights.materialise(optimizer)  # torch's clip reads every `.grad`
-            return torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite, foreach)
-
-        grouped = grad_pass.group_grads(optimizer, self.parameter_names.name)  # refuses FP16 parameters
-        for observer in self._watchers():  # the scaled gradients, as unscale_ shows them
-            observer.before_unscale(self, optimizer)
-        with torch.no_grad():
-            scaled_norm, per_tensor = total_norm(grads, norm_type, foreach)
-            device = scaled_norm.device if with_grad else self._scale.device
-            scale = self._scale.to(device, non_blocking=True)
-            norm = scaled_norm.to(device) / scale  # exact for a power-of-two scale
-            # the norm is inf/NaN exactly when a gradient is (a non-finite loss poisoned its own); one
-            # kernel checks it (multiplying it by 1 in place leaves its value as it is)
-            found, one = self.flags.new_found(device, self._scale.device), self._constants(device).one
-            torch._amp_foreach_non_finite_check_and_unscale_([norm], found, one)
-            if error_if_nonfinite and found:
-                raise RuntimeError(
-                    f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "
-                    "so it cannot be clipped. To disable this error and scale the gradients by the "
-                    "non-finite norm anyway, set `error_if_nonfinite=False`"
-                )
-            coef = torch.clamp(float(max_norm) / (norm + 1e-6), max=1.0)  # torch's formula
-            # On an overflow (a non-finite norm) the step is skipped and the gradients keep their values
-            # (scaled). (at_min_scale="clamp" took the plain path above.)
-            if getattr(optimizer, "_step_supports_amp_scaling", False):
-                # nothing is written: the kernel skips on the flag, whatever the divisor (a caller who
-                # reads the gradients before step() gets them unscaled and clipped: see
-                # _apply_deferred_unscale; on an overflow then, unscaled only)
-                state["grad_scale"] = scale / coef
-            else:
-                multiplier = torch.where(found > 0, one, coef / scale)  # exact for a power-of-two scale
-                grad_pass.mul_grads_(grouped, multiplier, foreach)
-                self.master_weights.set_factor(optimizer, multiplier)  # FP16 ones: when the step casts them
-        if per_tensor is not None and not _tracing_or_capturing():  # kept tensors mean nothing in a graph
-            for observer in self._watchers():  # a norm is non-finite exactly when its gradient is
-                observer.on_norms(self, optimizer, with_grad, per_tensor)
-        state["found_inf_per_device"] = {device: found}
-        state["stage"] = OptState.UNSCALED
-        return norm
-
-    def _apply_deferred_unscale(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        """Divide by the divisor `clip_grad_norm_` left for a fused kernel, now (one write pass):
-        for a caller that reads or clips the gradients again before `step()`."""
-        grad_scale = state.pop("grad_scale", None)
-        if grad_scale is not None:
-            self.master_weights.materialise(optimizer)
-            with torch.no_grad():
-                # an overflowing step's gradients are unscaled, not clipped (its divisor is inf or NaN)
-                found = self._found_inf(optimizer)
-                grad_scale = torch.where(found > 0, self._scale.to(grad_scale.device), grad_scale)
-                grouped = grad_pass.group_grads(optimizer, self.parameter_names.name)
-                grad_pass.mul_grads_(grouped, grad_scale.double().reciprocal().float(), None)
+        return scaler_clip.clip_grad_norm(
+            self, optimizer, max_norm, norm_type, error_if_nonfinite, foreach, parameters=parameters
+        )
 
     # ------------------------------------------------------------------ update
     def update(self, new_scale: float | torch.Tensor | None = None) -> None:
@@ -730,7 +624,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
             observer.before_step(self, optimizer, skipped)
 
     def _notify_update(self, rule_applied: bool) -> None:
-        if _tracing_or_capturing():
+        if tracing_or_capturing():
             # The observers' host work (host copies read back, the collapse check, warnings) cannot be
             # traced, nor captured in a CUDA graph: it runs at the scaler's next eager call, once per
             # update (a count, not a list: an int that changes is traced as a dynamic value, no
@@ -743,7 +637,7 @@ class DynamicLossScaler(torch.amp.GradScaler):
 
     def _catch_up(self) -> None:
         """Run the observers' work for updates made inside a compiled region (see `_notify_update`)."""
-        if _tracing_or_capturing() or not self._deferred_updates:
+        if tracing_or_capturing() or not self._deferred_updates:
             return
         pending, self._deferred_updates = self._deferred_updates, 0
         for _ in range(pending):
@@ -775,30 +669,21 @@ class DynamicLossScaler(torch.amp.GradScaler):
         return self.state.value("scale")
 
     # ------------------------------------------------------------------ the last step (`last_step`)
-    @property
-    def last_backed_off(self) -> torch.Tensor | None:
-        """`last_step.backed_off`: did the last update back the scale off? A 0-d bool device flag, no sync."""
-        return self.last_step.backed_off
-
-    @property
-    def step_skipped_tensor(self) -> torch.Tensor | None:
-        """`last_step.skipped_tensor`: was the last iteration's step skipped? A 0-d bool device flag, no sync."""
-        return self.last_step.skipped_tensor
-
-    @property
-    def last_step_skipped_if_known(self) -> bool | None:
-        """`last_step.skipped_if_known`: the last skip where the host knows it, else `None`. No sync."""
-        return self.last_step.skipped_if_known
-
-    @property
-    def last_step_skipped(self) -> bool:
-        """`last_step.skipped`: whether the last iteration's step was skipped. Synchronises with the device."""
-        return self.last_step.skipped
-
-    @property
-    def last_loss_nonfinite(self) -> torch.Tensor | None:
-        """`last_step.loss_nonfinite`: was a loss of the last iteration non-finite? A device flag, no sync."""
-        return self.last_step.loss_nonfinite
+    last_backed_off = _of_last_step(
+        "backed_off", "did the last update back the scale off? A 0-d bool device flag, no sync."
+    )
+    step_skipped_tensor = _of_last_step(
+        "skipped_tensor", "was the last iteration's step skipped? A 0-d bool device flag, no sync."
+    )
+    last_step_skipped_if_known = _of_last_step(
+        "skipped_if_known", "the last skip where the host knows it, else `None`. No sync."
+    )
+    last_step_skipped = _of_last_step(
+        "skipped", "whether the last iteration's step was skipped. Synchronises with the device."
+    )
+    last_loss_nonfinite = _of_last_step(
+        "loss_nonfinite", "was a loss of the last iteration non-finite? A device flag, no sync."
+    )
 
     @property
     def loss_finite_tensor(self) -> torch.Tensor | None:
@@ -874,68 +759,6 @@ class DynamicLossScaler(torch.amp.GradScaler):
 
     def __repr__(self) -> str:
         return f"DynamicLossScaler({self.config!r}, device={self.device})"
-
-    # ------------------------------------------------------------------ torch.amp.GradScaler's private surface
-    # The private names of torch's GradScaler that code written against it reaches (optimizers taking
-    # `grad_scaler=`, FSDP's sharded scaler, Lightning, torch's tests), each a delegation to ours;
-    # `_per_optimizer_states` is an attribute (see __init__).
-    @property
-    def _scale(self) -> torch.Tensor | None:
-        return self.state["scale"] if self.state.materialised else None
-
-    @property
-    def _growth_tracker(self) -> torch.Tensor | None:
-        return self.state["_growth_tracker"] if self.state.materialised else None
-
-    @property
-    def _enabled(self) -> bool:
-        return self.is_enabled()
-
-    @property
-    def _init_growth_tracker(self) -> int:
-        """torch's name for the growth tracker a scaler starts from: here the current one (a sync)."""
-        return self._get_growth_tracker()
-
-    @_init_growth_tracker.setter
-    def _init_growth_tracker(self, value: int) -> None:
-        self.state.set("_growth_tracker", int(value))
-        rule.clamp_growth_tracker(self.config, self.state)
-
-    def _lazy_init_scale_growth_tracker(self, dev: torch.device | str) -> None:
-        if not self.state.materialised:
-            self.state.materialise(torch.device(dev))
-
-    def _check_scale_growth_tracker(self, funcname: str) -> tuple[torch.Tensor, torch.Tensor]:
-        self._require_init(funcname)
-        return self._scale, self.state["_growth_tracker"]
-
-    def _unscale_grads_(
-        self,
-        optimizer: torch.optim.Optimizer,
-        inv_scale: torch.Tensor,
-        found_inf: torch.Tensor | None = None,
-        allow_fp16: bool | None = None,
-    ) -> dict[torch.device, torch.Tensor]:
-        return self._read_grads(optimizer, inv_scale, found_inf, bool(allow_fp16))
-
-    def _check_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
-        return self._check(optimizer)
-
-    def _found_inf_per_device(self, optimizer: torch.optim.Optimizer) -> dict[torch.device, torch.Tensor]:
-        return self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-
-    def _maybe_opt_step(
-        self, optimizer: torch.optim.Optimizer, optimizer_state: dict[str, Any], *args: Any, **kwargs: Any
-    ) -> Any:
-        """torch's helper: step unless a found-inf flag is set (reads the flags: one host sync)."""
-        skip = sum(v.item() for v in optimizer_state["found_inf_per_device"].values())
-        return None if skip else optimizer.step(*args, **kwargs)
-
-    def _get_scale_async(self) -> torch.Tensor | None:
-        return self._scale
-
-    def _get_growth_tracker(self) -> int:
-        return self.state.value("_growth_tracker")
 
 
 def _first_tensor_nested(value: Any) -> torch.Tensor | None:

@@ -19,10 +19,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..masters.weights import grad_for, half_of
 from .distributed import local_shard
 from .events import EventSink
 from .hostcopy import HostCopy
-from .master_weights import grad_for, half_of
 from .overflow import display_origin
 from .scaler_state import PACKED
 

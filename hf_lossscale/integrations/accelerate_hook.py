@@ -34,11 +34,11 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType, convert_outputs_to_fp32
 
 from ..core.config import LossScaleConfig, resolve_config
-from ..core.optimizer_wrappers import inner_optimizer
 from ..core.scaler import DynamicLossScaler
 from ..core.scaler_observers import ScalerObserver
 from ..fp16.emulation import fp16_emulation
 from ..fp16.fp32_modules import run_in_fp32
+from ..masters.optimizer_wrappers import inner_optimizer
 from .compat import accelerate_has_4242, warn_if_untested
 from .resume import LOAD_CONFIG_WARNINGS, restore_settings, resume_line
 

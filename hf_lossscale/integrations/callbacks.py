@@ -26,13 +26,13 @@ import torch
 from transformers import TrainerCallback
 
 from ..core.events import EVENT_LOG_NAME, EventSink, append_event
-from ..core.master_weights import gradient_of
 from ..core.overflow import display_origin, find_overflow_origin, rng_state
 from ..core.scaler import DynamicLossScaler, LossScaleCollapseError
 from ..core.scaler_observers import nonfinite_flags
 from ..core.telemetry import ActivationGradientProbe, module_key
 from ..fp16.emulation import measure_flushed_fraction
 from ..fp16.fp32_modules import ancestors, fp32_module_names, run_in_fp32, runs_in_fp32
+from ..masters.weights import gradient_of
 from .accelerate_hook import effective_mixed_precision, fp16_context, fp16_kind, plain_forward
 
 __all__ = [

@@ -64,10 +64,10 @@ INTERNALS = [
     ("torch.utils._python_dispatch", "TorchDispatchMode"),
     ("torch.utils._pytree", "tree_map"),
     ("torch.utils._pytree", "tree_flatten"),
-    # the one-pass master kernel (core/master_kernel.py) moves step counters as torch's fused Adam does
+    # the one-pass master kernel (masters/kernel.py) moves step counters as torch's fused Adam does
     ("torch", "_foreach_add_"),
     ("torch", "_foreach_sub_"),
-    # master weights (core/master_weights.py): the FP16 gradients read into the masters and the weights
+    # master weights (masters/): the FP16 gradients read into the masters and the weights
     # written back in one kernel per dtype; a weight written from outside seen by its version counter;
     # the marker left on an FP16 `.grad` reads its own metadata without its own __torch_function__
     ("torch", "_foreach_copy_"),
@@ -105,7 +105,7 @@ INSTANCE_INTERNALS = [
     # `grad_scale=`/`found_inf=`): the scaler hands those the scale instead of unscaling
     ("torch.optim.adamw", "AdamW", "_step_supports_amp_scaling"),
     # an optimizer's step hooks, in registration order: the chunked update of FP16 parameters' masters
-    # (core/master_weights.py) keeps its hooks last before torch's algorithm and first after it
+    # (masters/) keeps its hooks last before torch's algorithm and first after it
     ("torch.optim.adamw", "AdamW", "_optimizer_step_pre_hooks"),
     ("torch.optim.adamw", "AdamW", "_optimizer_step_post_hooks"),
 ]

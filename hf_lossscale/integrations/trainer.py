@@ -19,10 +19,10 @@ from transformers.trainer import SCALER_NAME, TRAINER_STATE_NAME
 
 from ..core.config import LossScaleConfig, resolve_config
 from ..core.events import strict_json
-from ..core.optimizer_wrappers import inner_optimizer
 from ..core.scaler import DynamicLossScaler
 from ..fp16.fp32_modules import run_in_fp32
 from ..fp16.half_products import fp16_products
+from ..masters.optimizer_wrappers import inner_optimizer
 from .accelerate_hook import effective_mixed_precision, fp16_kind, install_loss_scaler
 from .callbacks import (
     ActivationProbeCallback,

@@ -12,7 +12,7 @@ norm) depends on every gradient, so the scaler's read-only check (`grad_pass.che
 gradients as they are, or `_foreach_norm` for the clip) comes before any write.
 
 It runs where Triton is importable and the parameters are on CUDA (torch's CUDA wheels ship Triton);
-elsewhere the chunked update of `master_step` runs, bitwise torch's optimizer. `TRITON_INTERPRET=1`
+elsewhere the chunked update of `masters.step` runs, bitwise torch's optimizer. `TRITON_INTERPRET=1`
 runs the kernel on a CPU (slowly), which is how its tests check it against torch's AdamW without a GPU.
 """
 
