@@ -421,3 +421,16 @@ def test_peer_suites_runs_each_suite_twice_and_names_what_fails_only_with_ours(t
     assert [r["test"].split("::")[-1] for r in summary["pass_upstream_fail_ours"]] == ["test_only_upstream"]
     assert [t.split("::")[-1] for t in summary["fail_upstream_pass_ours"]] == ["test_only_ours"]
     assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_master_step_ratio_times_both_sides_on_the_same_gradients(tmp_path):
+    """The step-ratio benchmark at a tiny size: both sides step (no skip: the gradients are finite and
+    FP16-representable), the ratio is the masters' time over FP32's, and the file is whole.
+    Bug caught: a side whose step was skipped (it would time nothing), a ratio taken the wrong way up."""
+    out = tmp_path / "r.json"
+    assert load("master_step_ratio").main(["--width", "64", "--repeats", "3", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert sorted(r["optimizer"] for r in rows) == ["adamw_foreach", "adamw_fused", "sgd"]
+    for r in rows:
+        assert r["skipped"] == 0 and r["parameters"] == 2 * 64 * 64
+        assert r["ratio"] == pytest.approx(r["masters_ms"] / r["fp32_ms"], rel=0.5)  # masters over FP32

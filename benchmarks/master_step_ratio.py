@@ -1,0 +1,123 @@
+"""The masters' optimizer step against FP32 weights' step with the same optimizer, in one process.
+
+Two models of the same shape (an MLP of `--width`-square layers, one thread): FP32 weights, and FP16
+weights on FP32 masters (`DynamicLossScaler`, `master_weights=True`). Each repeat gives both the same
+gradients (FP16 ones for the masters, as a backward leaves them) and times `scaler.step(opt)` +
+`scaler.update()` on each, in alternating order; the figure is the median of the per-repeat ratios,
+with their spread (min, max) as the noise. Optimizers: AdamW fused, AdamW foreach, SGD with momentum
+(foreach). Where the time goes on the masters' side is printed with `--profile` (per aten op).
+
+    python benchmarks/master_step_ratio.py [--width 4096] [--repeats 9] [--json OUT]
+
+Ctrl-C or SIGTERM stops it; the JSON is written at the end, atomically.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import statistics
+import sys
+import time
+
+import torch
+
+OPTIMIZERS = {
+    "adamw_fused": lambda ps: torch.optim.AdamW(ps, lr=1e-5, fused=True),
+    "adamw_foreach": lambda ps: torch.optim.AdamW(ps, lr=1e-5, foreach=True),
+    "sgd": lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, foreach=True),
+}
+
+
+def _side(dtype: torch.dtype, width: int, layers: int, optimizer: str):
+    from hf_lossscale import DynamicLossScaler, LossScaleConfig
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)]).to(dtype)
+    params = list(model.parameters())
+    opt = OPTIMIZERS[optimizer](params)
+    scaler = DynamicLossScaler(config=LossScaleConfig(init_scale=2.0**10, master_weights=True))
+    return params, opt, scaler
+
+
+def _timed_step(params, opt, scaler, grads) -> float:
+    for p, g in zip(params, grads, strict=True):
+        p.grad = g.to(p.dtype)  # what a backward leaves (outside the timing)
+    scaler.scale(torch.ones((), device=params[0].device))  # the iteration's scale (as before a backward)
+    start = time.perf_counter()
+    scaler.step(opt)
+    scaler.update()
+    elapsed = time.perf_counter() - start
+    opt.zero_grad()
+    return elapsed
+
+
+def measure(optimizer: str, width: int, layers: int, repeats: int) -> dict:
+    fp32 = _side(torch.float32, width, layers, optimizer)
+    masters = _side(torch.float16, width, layers, optimizer)
+    gen = torch.Generator().manual_seed(1)
+    grads = [torch.randn(p.shape, generator=gen) * 2.0**-4 for p in fp32[0]]  # scaled, FP16-representable
+    for side in (fp32, masters):  # the first step makes the state (and the masters): not timed
+        _timed_step(*side, grads)
+    ratios, t32, t16 = [], [], []
+    for i in range(repeats):
+        order = (fp32, masters) if i % 2 == 0 else (masters, fp32)
+        times = {id(side): _timed_step(*side, grads) for side in order}
+        t32.append(times[id(fp32)])
+        t16.append(times[id(masters)])
+        ratios.append(t16[-1] / t32[-1])
+    return {
+        "optimizer": optimizer, "parameters": sum(p.numel() for p in fp32[0]), "repeats": repeats,
+        "fp32_ms": 1e3 * statistics.median(t32), "masters_ms": 1e3 * statistics.median(t16),
+        "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+        "skipped": masters[2].stats()["skipped_steps"] + fp32[2].stats()["skipped_steps"],
+    }  # fmt: skip
+
+
+def profile(optimizer: str, width: int, layers: int) -> str:
+    from torch.profiler import profile as _profile
+
+    side = _side(torch.float16, width, layers, optimizer)
+    grads = [torch.randn(p.shape) * 2.0**-4 for p in side[0]]
+    _timed_step(*side, grads)
+    for p, g in zip(side[0], grads, strict=True):
+        p.grad = g.half()
+    side[2].scale(torch.ones(()))
+    with _profile() as prof:
+        side[2].step(side[1])
+        side[2].update()
+    return prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--width", type=int, default=4096)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--optimizers", nargs="+", default=sorted(OPTIMIZERS), choices=sorted(OPTIMIZERS))
+    ap.add_argument("--profile", action="store_true", help="the masters' step per aten op, per optimizer")
+    ap.add_argument("--json", help="write the rows here (atomically)")
+    args = ap.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    torch.set_num_threads(1)
+    rows = []
+    for name in args.optimizers:
+        row = measure(name, args.width, args.layers, args.repeats)
+        rows.append(row)
+        print(f"{name:14s} {row['parameters'] / 1e6:.1f}M params: FP32 weights {row['fp32_ms']:.1f} ms, masters "
+              f"{row['masters_ms']:.1f} ms, x{row['ratio']:.2f} (per repeat x{row['ratio_min']:.2f}..x{row['ratio_max']:.2f}, "
+              f"{row['repeats']} repeats)", flush=True)  # fmt: skip
+        if args.profile:
+            print(profile(name, args.width, args.layers))
+    if args.json:
+        tmp = f"{args.json}.tmp"
+        with open(tmp, "w") as f:
+            json.dump({"threads": 1, "torch": torch.__version__, "rows": rows}, f, indent=1)
+        os.replace(tmp, args.json)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
