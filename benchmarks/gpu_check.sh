@@ -14,7 +14,8 @@
 # boxes add up to 600 s at most (GPU_CHECK_STEPS picks steps for a rerun); measured runs are shorter.
 # Steps 8, 9, 10 and 11 run only when asked for (GPU_CHECK_STEPS="1 8": 80 + 430 s; "9": 215 s; "10":
 # 200 s: the memory floor of issue 49, memory_floor_cuda.json and .md; "11": 120 s, the one-pass
-# master kernel's tests and master_kernel_cuda.json, master_kernel_gpt2_cuda.json). Step 8 needs
+# master kernel's tests and master_kernel_cuda.json, master_kernel_gpt2_cuda.json; "12": 90 s, accelerate's
+# fp16 optimizer test upstream and with ours, and master_step_ratio_cuda.json). Step 8 needs
 # the data (`gpu_prepare.py --data`), step 9 TRL (`gpu_prepare.py`, the default): one call carries one.
 #   1. the CUDA tests (pytest -m cuda): among them no host sync under
 #      torch.cuda.set_sync_debug_mode("error") on the fused path (tests/test_scaler.py) and through
@@ -168,12 +169,20 @@ if [ "$CUDA" = 1 ]; then
   step "11. one-pass master kernel on CUDA" 120 bash -c '"$0" -m pytest -q tests/test_master_kernel.py -p no:cacheprovider \
     && "$0" benchmarks/master_kernel.py --json "$1/master_kernel_cuda.json" \
     && "$0" benchmarks/master_kernel.py --shapes gpt2 --json "$1/master_kernel_gpt2_cuda.json"' "$PY" "$OUT"
+  # Issue 55/56: accelerate's fp16 optimizer test as upstream wrote it and with our scaler (it needs a GPU
+  # upstream; `gpu_prepare.py --peer COPY/test_optimizer.py` carries the copy), and the masters' step
+  # against FP32 weights' step on CUDA (fused / foreach AdamW, SGD)
+  step "12. peers' tests and the masters' step ratio on CUDA" 90 bash -c 'rc=0
+    if [ -f "$2/peer/test_optimizer.py" ]; then "$0" benchmarks/peer_suites.py accelerate "$2/peer/test_optimizer.py" \
+      --json "$1/peer_accelerate_cuda.json" || rc=1; else echo "no copy of accelerate tests/test_optimizer.py carried"; fi
+    "$0" benchmarks/master_step_ratio.py --device cuda --width 8192 --json "$1/master_step_ratio_cuda.json" || rc=1
+    exit $rc' "$PY" "$OUT" "$WHEELS"
 else
   skip "1. CUDA tests"; skip "2. emulation vs CUDA autocast"; skip "3. clip table and step overhead"
   skip "4. demo with real CUDA FP16"; skip "5. demo, 400 steps (40x longer)"
   skip "6. one module in FP32: memory and time on CUDA"; skip "7. ops, kernels and time per step on CUDA"
   skip "8. reproduced benchmarks with master weights"; skip "9. GRPO on CUDA"; skip "10. memory floor on CUDA"
-  skip "11. one-pass master kernel on CUDA"
+  skip "11. one-pass master kernel on CUDA"; skip "12. peers' tests and the masters' step ratio on CUDA"
 fi
 results=$(cd "$OUT" && ls | grep -v -e '^summary.txt$' -e '^results.tar.gz$')
 packed="nothing else"

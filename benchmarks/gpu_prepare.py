@@ -169,9 +169,15 @@ def main(argv=None) -> int:
     parser.add_argument("--no-download", action="store_true", help="Only rewrite and check the manifest.")
     parser.add_argument("--data", action="store_true",
                         help="Carry the benchmark data (step 8) instead of TRL (step 9): both exceed the limit.")  # fmt: skip
+    parser.add_argument("--peer", nargs="+", default=[], metavar="FILE",
+                        help="Peers' test files (copied outside the repository) for step 12: carried in .whl/peer/.")  # fmt: skip
     opts = parser.parse_args(argv)
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
+    if opts.peer:
+        (out / "peer").mkdir(exist_ok=True)
+        for f in opts.peer:
+            shutil.copy(f, out / "peer" / Path(f).name)
     packages = pinned()
     if opts.data:  # what the other choice left in the folder goes
         packages.pop("trl")

@@ -7,7 +7,7 @@ gradients (FP16 ones for the masters, as a backward leaves them) and times `scal
 with their spread (min, max) as the noise. Optimizers: AdamW fused, AdamW foreach, SGD with momentum
 (foreach). Where the time goes on the masters' side is printed with `--profile` (per aten op).
 
-    python benchmarks/master_step_ratio.py [--width 4096] [--repeats 9] [--json OUT]
+    python benchmarks/master_step_ratio.py [--width 4096] [--repeats 9] [--device cuda] [--json OUT]
 
 Ctrl-C or SIGTERM stops it; the JSON is written at the end, atomically.
 """
@@ -31,11 +31,12 @@ OPTIMIZERS = {
 }
 
 
-def _side(dtype: torch.dtype, width: int, layers: int, optimizer: str):
+def _side(dtype: torch.dtype, width: int, layers: int, optimizer: str, device: str = "cpu"):
     from hf_lossscale import DynamicLossScaler, LossScaleConfig
 
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(width, width, bias=False) for _ in range(layers)]).to(dtype)
+    layers_ = [torch.nn.Linear(width, width, bias=False) for _ in range(layers)]
+    model = torch.nn.Sequential(*layers_).to(device=device, dtype=dtype)
     params = list(model.parameters())
     opt = OPTIMIZERS[optimizer](params)
     scaler = DynamicLossScaler(config=LossScaleConfig(init_scale=2.0**10, master_weights=True))
@@ -46,19 +47,26 @@ def _timed_step(params, opt, scaler, grads) -> float:
     for p, g in zip(params, grads, strict=True):
         p.grad = g.to(p.dtype)  # what a backward leaves (outside the timing)
     scaler.scale(torch.ones((), device=params[0].device))  # the iteration's scale (as before a backward)
+    cuda = params[0].device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
     start = time.perf_counter()
     scaler.step(opt)
     scaler.update()
+    if cuda:
+        torch.cuda.synchronize()
     elapsed = time.perf_counter() - start
     opt.zero_grad()
     return elapsed
 
 
-def measure(optimizer: str, width: int, layers: int, repeats: int) -> dict:
-    fp32 = _side(torch.float32, width, layers, optimizer)
-    masters = _side(torch.float16, width, layers, optimizer)
+def measure(optimizer: str, width: int, layers: int, repeats: int, device: str = "cpu") -> dict:
+    fp32 = _side(torch.float32, width, layers, optimizer, device)
+    masters = _side(torch.float16, width, layers, optimizer, device)
     gen = torch.Generator().manual_seed(1)
-    grads = [torch.randn(p.shape, generator=gen) * 2.0**-4 for p in fp32[0]]  # scaled, FP16-representable
+    grads = [
+        (torch.randn(p.shape, generator=gen) * 2.0**-4).to(device) for p in fp32[0]
+    ]  # scaled, FP16-representable
     for side in (fp32, masters):  # the first step makes the state (and the masters): not timed
         _timed_step(*side, grads)
     ratios, t32, t16 = [], [], []
@@ -97,14 +105,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--optimizers", nargs="+", default=sorted(OPTIMIZERS), choices=sorted(OPTIMIZERS))
+    ap.add_argument("--device", default="cpu", help="cpu (one thread) or cuda")
     ap.add_argument("--profile", action="store_true", help="the masters' step per aten op, per optimizer")
     ap.add_argument("--json", help="write the rows here (atomically)")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    torch.set_num_threads(1)
+    if args.device == "cpu":
+        torch.set_num_threads(1)
     rows = []
     for name in args.optimizers:
-        row = measure(name, args.width, args.layers, args.repeats)
+        row = measure(name, args.width, args.layers, args.repeats, args.device)
         rows.append(row)
         print(f"{name:14s} {row['parameters'] / 1e6:.1f}M params: FP32 weights {row['fp32_ms']:.1f} ms, masters "
               f"{row['masters_ms']:.1f} ms, x{row['ratio']:.2f} (per repeat x{row['ratio_min']:.2f}..x{row['ratio_max']:.2f}, "
@@ -114,7 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         tmp = f"{args.json}.tmp"
         with open(tmp, "w") as f:
-            json.dump({"threads": 1, "torch": torch.__version__, "rows": rows}, f, indent=1)
+            json.dump({"device": args.device, "threads": torch.get_num_threads(), "torch": torch.__version__,
+                       "rows": rows}, f, indent=1)  # fmt: skip
         os.replace(tmp, args.json)
     return 0
 

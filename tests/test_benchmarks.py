@@ -157,13 +157,13 @@ def test_gpu_check_without_a_gpu_says_skipped(tmp_path):
     proc = subprocess.run(["bash", str(BENCH / "gpu_check.sh"), str(tmp_path / "out")], capture_output=True,
                           text=True, env=env, timeout=300)  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert proc.stdout.count("skipped: no GPU") == 11
+    assert proc.stdout.count("skipped: no GPU") == 12
     import re
 
-    # The CPU step runs (imports, a recipe parses); no CUDA step (1-11) reports "passed".
+    # The CPU step runs (imports, a recipe parses); no CUDA step (1-12) reports "passed".
     assert re.search(r"== 0b\. CPU: .*: passed", proc.stdout)
-    assert not re.search(r"== (1[01]|[1-9])\. .*passed", proc.stdout), proc.stdout
-    assert (tmp_path / "out" / "summary.txt").read_text().count("skipped: no GPU") == 11
+    assert not re.search(r"== (1[012]|[1-9])\. .*passed", proc.stdout), proc.stdout
+    assert (tmp_path / "out" / "summary.txt").read_text().count("skipped: no GPU") == 12
 
 
 def test_underflow_map_smoke(tmp_path):
