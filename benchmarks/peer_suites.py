@@ -18,8 +18,14 @@ What "ours" binds, per suite:
 - accelerate-script: the same binding; each check `main()` calls is one test (the run goes on past
   a failing one); `--nproc 2` launches it on two gloo ranks (`torch.distributed.run`).
 - transformers: `transformers.Trainer` and `TrainingArguments` are `LossScaleTrainer` and
-  `LossScaleTrainingArguments` (bound before the test module imports them).
-- deepspeed: see `bind_deepspeed`.
+  `LossScaleTrainingArguments` (bound before the test module imports them); `transformers-fp16`: the
+  same with every `TrainingArguments` made with `fp16=True`, in both runs.
+- deepspeed: DeepSpeed's FP16 optimizer decides the scale with our update rule (`bind_deepspeed`).
+  CAUTION: DeepSpeed's `DistributedTest` runs each test in a spawned child, which this binding (made in
+  the pytest process) does not reach: bind it in every process (a `sitecustomize.py`) before trusting a
+  "pass with ours" (docs/reliability.md has the figures measured that way); run
+  with `DS_ACCELERATOR=cpu` and DeepSpeed's `tests/` folder (its `unit/common.py`, `simple_model.py`,
+  `conftest.py`) on `PYTHONPATH`.
 
 Ctrl-C or SIGTERM stops the running child (its whole process group) within seconds; nothing is
 written then.
@@ -78,14 +84,65 @@ def bind_transformers() -> None:
     transformers.TrainingArguments = LossScaleTrainingArguments
 
 
+def force_fp16() -> None:
+    """transformers-fp16: every `TrainingArguments` says `fp16=True` (in both runs): upstream's Trainer
+    then trains in Accelerate's CPU FP16 (autocast and torch's GradScaler), ours in emulated FP16."""
+    from transformers.training_args import TrainingArguments
+
+    post_init = TrainingArguments.__post_init__
+
+    def __post_init__(self):
+        self.fp16 = True
+        post_init(self)
+
+    TrainingArguments.__post_init__ = __post_init__
+
+
 def bind_deepspeed() -> None:
-    raise SystemExit("deepspeed: no binding yet")
+    """DeepSpeed's FP16 optimizer (`FP16_Optimizer._update_scale`, the dynamic rule its tests drive)
+    decides the scale with our update rule (`core.update_rule.apply_rule`), configured from its
+    `loss_scale_config` the way `integrations.deepspeed.to_deepspeed_config` maps ours to it:
+    `scale_window` = `growth_interval`, `scale_factor` = growth (its inverse the backoff),
+    `min_loss_scale` = `min_scale`, no hysteresis (this optimizer has none). Its own bookkeeping that
+    the engine reads (`cur_iter`, `last_overflow_iter`) moves as upstream moves it; the scale is ours."""
+    import torch
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+
+    from hf_lossscale import LossScaleConfig
+    from hf_lossscale.core.scaler_state import ScalerState
+    from hf_lossscale.core.update_rule import RuleConstants, apply_rule
+
+    upstream = FP16_Optimizer._update_scale
+
+    def _update_scale(self, skip):
+        ds = self.loss_scale_config
+        if not ds.dynamic_loss_scale:
+            return upstream(self, skip)
+        ours = self.__dict__.get("_hf_lossscale_rule")
+        if ours is None:
+            config = LossScaleConfig(
+                init_scale=float(ds.cur_scale), growth_interval=int(ds.scale_window),
+                growth_factor=float(ds.scale_factor), backoff_factor=1.0 / float(ds.scale_factor),
+                min_scale=float(ds.min_loss_scale), max_scale=2.0**64, hysteresis=1,
+            )  # fmt: skip
+            state = ScalerState(config)
+            state.materialise(torch.device("cpu"))
+            ours = self._hf_lossscale_rule = (config, state, RuleConstants.on(torch.device("cpu")))
+        config, state, k = ours
+        apply_rule(config, state, k, torch.tensor(bool(skip)))
+        ds.cur_scale = float(state.value("scale"))
+        if skip:
+            ds.last_overflow_iter = ds.cur_iter
+        ds.cur_iter += 1
+
+    FP16_Optimizer._update_scale = _update_scale
 
 
 SUITES = {
     "accelerate": {"kind": "pytest", "before": [open_accelerate_gates], "bind": bind_accelerate},
     "accelerate-script": {"kind": "script", "before": [], "bind": bind_accelerate},
     "transformers": {"kind": "pytest", "before": [], "bind": bind_transformers},
+    "transformers-fp16": {"kind": "pytest", "before": [force_fp16], "bind": bind_transformers},
     "deepspeed": {"kind": "pytest", "before": [], "bind": bind_deepspeed},
 }
 

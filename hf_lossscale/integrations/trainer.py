@@ -411,7 +411,11 @@ class LossScaleMixin:
         if resume_from_checkpoint is True:
             resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
             if resume_from_checkpoint is None:
-                raise ValueError(f"No complete checkpoint found in output_dir {self.args.output_dir!r}.")
+                # the Trainer's own words first (code matches on them), then ours
+                raise ValueError(
+                    f"No valid checkpoint found in output directory ({self.args.output_dir}): "
+                    "No complete checkpoint found (one whose trainer_state.json was written)."
+                )
         try:
             return super().train(resume_from_checkpoint, *args, **kwargs)
         except BaseException as err:
