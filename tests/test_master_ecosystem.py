@@ -402,7 +402,7 @@ def test_torch_compile_of_the_model_gives_the_eager_run():
 
 
 # ---------------------------------------------------------------------- the lifecycle
-def _steps(model, opt, scaler, seeds, cast=lambda p: p.half()):
+def _steps(model, opt, scaler, seeds, cast=lambda p: p.half(), zero=True):
     for seed in seeds:
         w = {n: p if p.dtype in (torch.float16, torch.bfloat16) and cast is None else cast(p)
              for n, p in model.named_parameters()}  # fmt: skip
@@ -414,7 +414,8 @@ def _steps(model, opt, scaler, seeds, cast=lambda p: p.half()):
         scaler.scale(loss).backward()
         scaler.step(opt)
         scaler.update()
-        opt.zero_grad()
+        if zero:
+            opt.zero_grad()
 
 
 def test_model_float_mid_run_continues_as_fp32_weights():
@@ -431,6 +432,29 @@ def test_model_float_mid_run_continues_as_fp32_weights():
     masters = [m for _, m in ss.master_weights.pairs(sopt)]
     for a, b, m in zip(sub.parameters(), ref.parameters(), masters, strict=True):
         assert torch.equal(m, b.detach()) and torch.equal(a.detach(), b.detach())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kept_at_the_cast", [True, False], ids=["kept", "cleared"])
+def test_a_cast_with_gradients_kept_across_steps_accumulates_as_the_fp32_reference(dtype, kept_at_the_cast):
+    """No `zero_grad()` between steps (the gradient kept and added onto), with the model cast mid-run
+    while an FP16 `.grad` stands for its master's. Torch gives a parameter whose dtype changed a new
+    gradient accumulator. Bug caught: the marker kept in FP16 on the new parameter, and the next
+    backward added into it in place, which crashed ("more than one element of the written-to tensor
+    refers to a single memory location"), or skipped the master's gradient; with the gradient cleared
+    at the cast, the new accumulator left unhooked until a later backward on top of a marker."""
+    (sub, sopt, ss), (ref, ropt, rs) = _pair("sgd")
+    for model, opt, scaler in ((sub, sopt, ss), (ref, ropt, rs)):
+        _steps(model, opt, scaler, [1, 2], zero=not kept_at_the_cast)
+    sub.to(dtype)
+    _steps(sub, sopt, ss, [3, 4], cast=lambda p: p, zero=False)
+    _steps(ref, ropt, rs, [3, 4], cast=lambda p: p.to(dtype), zero=False)
+    masters = [m for _, m in ss.master_weights.pairs(sopt)]
+    for a, b, m in zip(sub.parameters(), ref.parameters(), masters, strict=True):
+        assert (
+            a.dtype == dtype and torch.equal(m, b.detach()) and torch.equal(a.detach(), b.detach().to(dtype))
+        )
+        assert torch.equal(ss.master_weights.grad(sopt, a), b.grad)
 
 
 def test_model_to_bfloat16_mid_run_keeps_its_fp32_masters():

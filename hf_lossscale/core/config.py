@@ -168,6 +168,9 @@ class LossScaleConfig:
             `"stochastic_rounding"` (the FP32 update rounded stochastically into the FP16 weight,
             seeded; the random state travels in the optimizer's state). `False`: such a parameter
             is refused with the remedies (torch's "Attempting to unscale FP16 gradients", explained).
+            A string that spells a boolean (`"true"`/`"on"`/`"yes"`/`"1"`, `"false"`/`"off"`/`"no"`/
+            `"0"`, any case) is read as that boolean, as the `--loss_scale_master_weights` flag and
+            `HF_LOSSSCALE_MASTER_WEIGHTS` read it; any other string is refused.
         floor_event_steps (`int`, *optional*, defaults to `100`):
             an event (and a warning) when the scale has sat at `min_scale` for this many optimizer
             steps in a row. 0 disables it.

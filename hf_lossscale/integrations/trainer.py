@@ -476,8 +476,8 @@ class LossScaleTrainer(LossScaleMixin, Trainer):
 
     Same constructor as `Trainer`, plus `loss_scale_config=` (wins over the arguments) and
     `loss_scale_fresh_on_resume=`. Plain `TrainingArguments` work too (then the config comes from
-    the environment or the defaults). On a CPU with `fp16=True` it trains with real FP16 autocast
-    instead of silently in FP32.
+    the environment or the defaults). On a CPU with `fp16=True` it trains with FP16 numerics
+    instead of silently in FP32: emulated by default, real CPU autocast with `fp16_on_cpu="native"`.
 
     Example:
 

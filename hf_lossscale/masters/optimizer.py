@@ -184,16 +184,25 @@ class OptimizerMasters:
         self.pairs[id(half)] = pair
         self.by_master[id(master)] = pair
         me = weakref.ref(pair)
-        with torch.enable_grad():  # the parameter's gradient accumulator, kept (as DDP keeps it)
-            pair.accumulator = half.view_as(half).grad_fn.next_functions[0][0]
-        # on the accumulator, not the tensor: `torch.autograd.grad` (which accumulates nothing) leaves it be
-        self._hook_handles.append(
-            pair.accumulator.register_prehook(functools.partial(hooks.on_new_gradient, me))
-        )
+        pair.rehook = weakref.WeakMethod(self._hook_accumulator)
+        self._hook_accumulator(pair)
         self._hook_handles.append(
             half.register_post_accumulate_grad_hook(functools.partial(hooks.fold_on_top, me))
         )
         return pair
+
+    def _hook_accumulator(self, pair: Pair) -> None:
+        """The FP16 parameter's gradient accumulator, kept (as DDP keeps it), with `on_new_gradient` on
+        it: on the accumulator, not the tensor, so that `torch.autograd.grad` (which accumulates nothing)
+        leaves it be. Again after a cast of the model: torch gives a parameter whose dtype or device
+        changed a new accumulator, which would otherwise add a backward into a marker in place."""
+        with torch.enable_grad():
+            accumulator = pair.half.view_as(pair.half).grad_fn.next_functions[0][0]
+        if accumulator is not pair.accumulator:
+            pair.accumulator = accumulator
+            self._hook_handles.append(
+                accumulator.register_prehook(functools.partial(hooks.on_new_gradient, weakref.ref(pair)))
+            )
 
     # ------------------------------------------------------------------ each step
     def gather(self, optimizer: torch.optim.Optimizer | None = None, defer: bool = False) -> None:
@@ -343,6 +352,7 @@ class OptimizerMasters:
             if pair.weight_version() != pair.version:
                 if pair.half.dtype != pair.dtype and self._cast_of_ours(pair):
                     pair.dtype = pair.half.dtype
+                    self._hook_accumulator(pair)
                     with torch.no_grad():
                         pair.half.copy_(pair.master)  # FP32: the master itself; BF16: it rounded
                     pair.version = pair.weight_version()

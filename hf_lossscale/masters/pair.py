@@ -108,6 +108,9 @@ class GradientInMaster(_StandIn):
 
     @classmethod
     def _otherwise(cls, func: Any, args: tuple, kwargs: dict) -> Any:
+        if _sets_data(func) and isinstance(args[0], GradientInMaster):
+            _follow_cast(args[0], args[1])
+            return None
         args, kwargs = torch.utils._pytree.tree_map_only(GradientInMaster, _master_grad, (args, kwargs))
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
@@ -158,6 +161,28 @@ def _real(marker: PendingGradient) -> torch.Tensor:
     return pair.master.grad
 
 
+def _sets_data(func: Any) -> bool:
+    return (
+        getattr(func, "__name__", "") == "__set__"
+        and getattr(getattr(func, "__self__", None), "__name__", "") == "data"
+    )
+
+
+def _follow_cast(marker: GradientInMaster, cast: torch.Tensor) -> None:
+    """`model.float()` (`.half()`, `.to(dtype or device)`) on a parameter whose `.grad` is a marker: torch
+    sets the cast gradient (`cast`, the master's cast) as the marker's `.data`. The marker takes the
+    new dtype and device and stays a marker (the gradient stays in the master), and the parameter's new
+    gradient accumulator is hooked, so that a backward on top of the marker still adds onto the master."""
+    base = torch.empty((), dtype=cast.dtype, device=cast.device)
+    with torch._C.DisableTorchFunctionSubclass():
+        marker.data = base.expand(marker.shape)
+    pair = marker.__dict__.get("_hf_pair")
+    pair = pair() if pair is not None else None
+    rehook = pair.rehook() if pair is not None and pair.rehook is not None else None
+    if rehook is not None:
+        rehook(pair)
+
+
 def _master_grad(marker: GradientInMaster) -> torch.Tensor:
     """The FP32 gradient a marker stands for (a pending one made real first)."""
     pair = marker.__dict__.get("_hf_pair")
@@ -198,6 +223,7 @@ class Pair:
     # a master read from a state, checked against the weight at the next step
     loaded: torch.Tensor | None = None
     accumulator: Any = field(default=None, repr=False)  # the FP16 parameter's AccumulateGrad node
+    rehook: Any = field(default=None, repr=False)  # a weak method: hooks the parameter's accumulator again
     # master_weights="kahan": what rounding the weight lost (FP16); "kahan" and "stochastic_rounding"
     # keep no FP32 master: `master` is then a stand-in of the right shape (one stored element) that the
     # optimizer holds (its state's key) and the chunked update reads and writes around
@@ -239,7 +265,7 @@ class Pair:
         pending = self.live_pending()
         if pending is None:
             return self.master.grad
-        grad = pending.float()
+        grad = pending.to(torch.float32, copy=True)  # an FP32 one (after `model.float()`) is left as it is
         if self.factor is not None:
             grad.mul_(self.factor)
         if self.divisor is not None:
@@ -327,8 +353,9 @@ def extra_bytes(pair: Pair) -> int:
 
 def cast_chunk(grad: torch.Tensor, factor: torch.Tensor | None) -> torch.Tensor:
     """A chunk of a pending FP16 gradient in FP32, times its factor: the values the gradient would hold
-    cast into the master and unscaled there (the same two roundings)."""
-    out = grad.float()
+    cast into the master and unscaled there (the same two roundings); a copy, also of an FP32 one (the
+    gradient of a model cast with `model.float()`), which the unscale must not write into."""
+    out = grad.to(torch.float32, copy=True)
     return out if factor is None else out.mul_(factor)
 
 
