@@ -232,23 +232,24 @@ def test_op_count_table_is_exact():
     rows, variants = op_count.table()
     got = {r["row"]: (r["torch"], r["ours"]) for r in rows}
     assert got == {
-        "clean step, fused AdamW, no clip": (9, 14),
-        "clean step, fused AdamW, clip": (18, 23),
-        "clean step, foreach AdamW, no clip": (10, 11),
-        "clean step, foreach AdamW, clip": (18, 22),
+        "clean step, fused AdamW, no clip": (9, 13),
+        "clean step, fused AdamW, clip": (18, 22),
+        "clean step, foreach AdamW, no clip": (10, 10),
+        "clean step, foreach AdamW, clip": (18, 21),
         "around a skipped step (beyond two clean steps), fused, no clip": (0, 3),
         "around a skipped step (beyond two clean steps), fused, clip": (0, 2),
         "around a skipped step (beyond two clean steps), foreach, no clip": (0, 7),
         "around a skipped step (beyond two clean steps), foreach, clip": (0, 5),
     }
     # issue 28: a clean step within 4 ops of torch's; issue 45 added one in `scale` (the loss poisons its
-    # own gradients) and one in the fused `update` (a non-finite loss counts where its gradients skipped)
+    # own gradients) and one in the fused `update` (a non-finite loss counts where its gradients skipped);
+    # issue 56 left the clamp out where the host shows it cannot bind: within 4 again
     for row, (torch_ops, ours) in got.items():
-        assert ours <= torch_ops + (7 if row.startswith("around") else 5), row
+        assert ours <= torch_ops + (7 if row.startswith("around") else 4), row
     assert variants == {
-        "ours, min/max scale": 14,
+        "ours, min/max scale": 13,
         "ours, hysteresis 2": 39,
-        "ours, telemetry every step": 857,
+        "ours, telemetry every step": 856,
     }
 
 

@@ -589,11 +589,12 @@ class DynamicLossScaler(TorchSurface, torch.amp.GradScaler):
         fast_rule = c.mode != "dynamic" or rule.torch_rule_applies(c)  # else the general one
         host_known = last.skipped_if_known is not None and fast_rule
         k = self._constants(found_f.device)
+        bind = self.skip_watch is None or self.skip_watch.clamp_may_bind(self, last.skipped_if_known)
         if host_known and not distributed and c.at_min_scale != "clamp":
             # The host read the flags (the non-fused path does). A clean step, and so a finite loss
             # (the loss probe joined every check): the rule's clean branch from constants, no flags.
             # A skipped one: the skip branch, whose only device input is whether the loss was finite.
-            result = rule.apply_known_rule(c, self.state, k, last.skipped_if_known, probe)
+            result = rule.apply_known_rule(c, self.state, k, last.skipped_if_known, probe, bind)
         elif probe is not None and not distributed:
             # [skipped, loss non-finite, True]: the probe is 0 or NaN, and NaN != 0. A non-finite loss
             # counts where its poisoned gradients made the step skip (zero_grad() may have dropped them):
@@ -604,12 +605,12 @@ class DynamicLossScaler(TorchSurface, torch.amp.GradScaler):
             else:
                 bits = torch.stack([found_f, probe.to(found_f.dtype), k.one]).ne(0)
             torch.logical_and(bits[1], bits[0], out=bits[1])
-            result = rule.apply_rule(c, self.state, k, bits[0], bits[1], bits)
+            result = rule.apply_rule(c, self.state, k, bits[0], bits[1], bits, bind)
         else:
             loss_bad = None if probe is None else probe.ne(0) & (found_f > 0)
             if distributed:
                 loss_bad = rule.all_ranks_loss_flag(loss_bad, self._scale.device, self._found_inf_group)
-            result = rule.apply_rule(c, self.state, k, found_f > 0, loss_bad)
+            result = rule.apply_rule(c, self.state, k, found_f > 0, loss_bad, clamp=bind)
         last.record(result)
         self._per_optimizer_states = defaultdict(_fresh_optimizer_state)
         self._notify_update(rule_applied=True)

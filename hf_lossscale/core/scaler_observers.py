@@ -22,7 +22,7 @@ import torch
 from ..masters.weights import grad_for, half_of
 from .distributed import local_shard
 from .events import EventSink
-from .hostcopy import HostCopy
+from .hostcopy import HostCopy, tracing_or_capturing
 from .overflow import display_origin
 from .scaler_state import PACKED
 
@@ -233,6 +233,10 @@ class SkipWatch(ScalerObserver):
         # a scale read on the host and the skips counted up to its update (None: unknown, so the floor
         # is possible), and the counters' reads: (iteration, skipped_steps); see _floor_possible
         self._scale_ref: tuple[float, int] | None = None
+        self._ref_at = -1  # the update (the iteration it closed) after which `_scale_ref`'s scale was read
+        # the scale tensor as our last update left it, (id, data_ptr, version): a write since from
+        # outside (a `fill_` of `_scale`) ends what the host knows of it (see `clamp_may_bind`)
+        self._scale_mark: tuple[int, int, int] | None = None
         self._skipped_reads: list[tuple[int, int]] = [(-1, 0)]
         self.steps_at_floor = 0
         self.collapse_warned = False
@@ -314,6 +318,7 @@ class SkipWatch(ScalerObserver):
         self._named = {key for key in self._named if key[0] >= closed}
         self.resolve()
         self._watch_floor(scaler)
+        self._scale_mark = _mark(scaler.state["scale"])
         limit = scaler.config.max_consecutive_skips
         if limit is not None and self.known_consecutive >= limit:
             if scaler.config.at_min_scale == "raise":
@@ -347,11 +352,53 @@ class SkipWatch(ScalerObserver):
         scale). Unknown (no scale read yet, or `update(new_scale)` / a loaded state since): possible."""
         if self._scale_ref is None:
             return True
+        return self._floor_bound(closed, config) <= config.min_scale * (1 + 1e-6)  # (FP32 products)
+
+    def _floor_bound(self, closed: int, config: LossScaleConfig) -> float:
+        """A lower bound on the scale after the update that closes `closed` (see `_floor_possible`)."""
         value, skipped = self._scale_ref
         read_at, read_skipped = self._skipped_reads[-1]
         backoffs = read_skipped - skipped + max(0, closed - read_at)
-        bound = value * config.backoff_factor**backoffs
-        return bound <= config.min_scale * (1 + 1e-6)  # the device rounds the product to FP32
+        return value * config.backoff_factor**backoffs
+
+    def _growths(self, closed: int, config: LossScaleConfig) -> int:
+        """At most how many times the scale has grown from the last scale read to the update that closes
+        `closed`: a growth takes `growth_interval` clean updates in a row, the first one fewer (the
+        growth tracker at the read is not known), so at most one per `growth_interval` updates."""
+        return -(-max(0, closed - self._ref_at) // config.growth_interval)
+
+    def _ceiling_stale(self, closed: int, config: LossScaleConfig) -> bool:
+        """Whether the next update's clamp may bind at `max_scale` only because the last scale read is
+        `growth_interval` or more updates old: a new read (one copy, at most once per `growth_interval`
+        updates) lets the updates after it leave the clamp out again."""
+        return (
+            self._scale_ref is not None
+            and closed - self._ref_at >= config.growth_interval
+            and self._scale_ref[0] * config.growth_factor ** self._growths(closed + 1, config)
+            >= config.max_scale * (1 - 1e-3)
+        )
+
+    def clamp_may_bind(self, scaler: DynamicLossScaler, skipped: bool | None) -> bool:
+        """Whether the update about to run may need its clamp into [min_scale, max_scale] (one device
+        op): False only where the host shows the scale stays inside without it, from the last scale
+        read: backed off at most once per skip the counters showed and per update not read yet (the
+        floor's bound, `_floor_possible`), grown at most once per `growth_interval` updates
+        (`_growths`). `skipped` is what the host knows of this update's step (None: nothing). Unknown
+        (no scale read yet, `update(new_scale)`, a loaded state, a write to the scale from outside
+        since our last update): it may."""
+        if tracing_or_capturing():  # a compiled or captured update runs no host bookkeeping: it clamps
+            return True
+        c = scaler.config
+        closed = scaler.iteration - 1  # the iteration this update closes
+        if self._scale_ref is None or self._scale_mark != _mark(scaler.state["scale"]):
+            return True
+        if skipped is not True and self._scale_ref[0] * c.growth_factor ** self._growths(closed, c) >= (
+            c.max_scale * (1 - 1e-3)  # (the device rounds each product to FP32)
+        ):
+            return True
+        if skipped is False:  # a clean step does not lower the scale, and it is at least the floor
+            return False
+        return self._floor_bound(closed, c) <= c.min_scale * (1 + 1e-3)
 
     def _rebase(self, value: float, iteration: int) -> None:
         """A scale read on the host, after the update that closed `iteration`: the bound's new start,
@@ -359,6 +406,7 @@ class SkipWatch(ScalerObserver):
         earlier = [skipped for at, skipped in self._skipped_reads if at <= iteration]
         if earlier:
             self._scale_ref = (value, earlier[-1])
+            self._ref_at = iteration
 
     def _watch_floor(self, scaler: DynamicLossScaler) -> None:
         """Count updates in a row that left the scale at `min_scale`, from host copies of the scale
@@ -368,7 +416,7 @@ class SkipWatch(ScalerObserver):
         if not c.floor_event_steps or c.mode != "dynamic":
             return
         closed = scaler.iteration - 1
-        if self._floor_possible(closed, c):
+        if self._floor_possible(closed, c) or self._ceiling_stale(closed, c):
             self._scale_copies.append((HostCopy(scaler.state["scale"]), closed))
         elif self._scale_copies:  # above the floor for sure: ends the run at the floor, in order
             self._scale_copies.append((None, closed))
@@ -407,6 +455,7 @@ class SkipWatch(ScalerObserver):
         self._copy = None  # a copy in flight belongs to the state replaced
         self._scale_copies = []
         self._scale_ref = None
+        self._scale_mark = None
         self._skipped_reads = [(scaler.iteration - 1, self.known_skipped)]
         self.steps_at_floor = 0
         self._named.clear()
@@ -475,3 +524,7 @@ def default_observers(scaler: DynamicLossScaler) -> list[ScalerObserver]:
     if not scaler.is_enabled():
         return []
     return [TelemetryWatch()]
+
+
+def _mark(scale: torch.Tensor) -> tuple[int, int, int]:
+    return (id(scale), scale.data_ptr(), scale._version)

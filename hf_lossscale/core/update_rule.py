@@ -179,6 +179,7 @@ def apply_rule(
     found: torch.Tensor,
     loss_bad: torch.Tensor | None = None,
     bits: torch.Tensor | None = None,
+    clamp: bool = True,
 ) -> RuleResult:
     """The update rule on the device tensors of `state`; `found` is a 0-d bool tensor (the step was
     skipped), `loss_bad` whether a loss of the iteration was non-finite (None: no loss was seen);
@@ -191,7 +192,8 @@ def apply_rule(
     Device ops are kept few (each is a kernel launch on a GPU): the five counters advance together
     (`ScalerState.counters`: x K + A, with K and A picked from the step's flags in one index op), and
     where the rule is torch's (`torch_rule_applies`) the scale and growth tracker move with torch's
-    own `_amp_update_scale_` kernel and one clamp.
+    own `_amp_update_scale_` kernel and one clamp into [min_scale, max_scale], left out (`clamp=False`)
+    where the host has shown it cannot bind (`SkipWatch.clamp_may_bind`).
     """
     c, s = config, state
     bad = loss_bad if loss_bad is not None else torch.zeros_like(found)
@@ -215,7 +217,8 @@ def apply_rule(
         torch._amp_update_scale_(
             s["scale"], s["_growth_tracker"], overflow, c.growth_factor, c.backoff_factor, c.growth_interval
         )
-        s["scale"].clamp_(c.min_scale, c.max_scale)
+        if clamp:
+            s["scale"].clamp_(c.min_scale, c.max_scale)
         return RuleResult(loss_bad, overflow)
     scale, growth, hyst = s["scale"], s["_growth_tracker"], s["_hysteresis_tracker"]
     overflow = found if neutral is None else found & ~neutral
@@ -240,7 +243,12 @@ def apply_rule(
 
 
 def apply_known_rule(
-    config: LossScaleConfig, state: ScalerState, k: RuleConstants, skipped: bool, probe: torch.Tensor | None
+    config: LossScaleConfig,
+    state: ScalerState,
+    k: RuleConstants,
+    skipped: bool,
+    probe: torch.Tensor | None,
+    clamp: bool = True,
 ) -> RuleResult:
     """`apply_rule` for a step whose skip the host already knows (the non-fused path reads the flag),
     where the rule is torch's: constants stand in for the flags. A clean step had a finite loss (the
@@ -266,5 +274,6 @@ def apply_known_rule(
     torch._amp_update_scale_(
         s["scale"], s["_growth_tracker"], overflow, c.growth_factor, c.backoff_factor, c.growth_interval
     )
-    s["scale"].clamp_(c.min_scale, c.max_scale)
+    if clamp:
+        s["scale"].clamp_(c.min_scale, c.max_scale)
     return RuleResult(loss_bad, overflow if skipped else k.false)
