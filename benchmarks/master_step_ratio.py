@@ -8,6 +8,7 @@ with their spread (min, max) as the noise. Optimizers: AdamW fused, AdamW foreac
 (foreach). Where the time goes on the masters' side is printed with `--profile` (per aten op).
 
     python benchmarks/master_step_ratio.py [--width 4096] [--repeats 9] [--device cuda] [--json OUT]
+    python benchmarks/master_step_ratio.py --width 1024 --bucket 65536 524288   # the bucket's size
 
 Ctrl-C or SIGTERM stops it; the JSON is written at the end, atomically.
 """
@@ -107,16 +108,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--optimizers", nargs="+", default=sorted(OPTIMIZERS), choices=sorted(OPTIMIZERS))
     ap.add_argument("--device", default="cpu", help="cpu (one thread) or cuda")
     ap.add_argument("--profile", action="store_true", help="the masters' step per aten op, per optimizer")
+    ap.add_argument(
+        "--bucket",
+        type=int,
+        nargs="+",
+        metavar="ELEMENTS",
+        help="the chunked update's bucket, fixed to each of these sizes in turn (default: the package's rule)",
+    )
     ap.add_argument("--json", help="write the rows here (atomically)")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     if args.device == "cpu":
         torch.set_num_threads(1)
+    from hf_lossscale.masters import step as chunked
+
     rows = []
-    for name in args.optimizers:
+    rule = chunked.UPDATE_BUCKET
+    for bucket, name in [(b, n) for b in args.bucket or [None] for n in args.optimizers]:
+        chunked.UPDATE_BUCKET = rule if bucket is None else (bucket, bucket)
         row = measure(name, args.width, args.layers, args.repeats, args.device)
+        row["bucket"] = bucket
         rows.append(row)
-        print(f"{name:14s} {row['parameters'] / 1e6:.1f}M params: FP32 weights {row['fp32_ms']:.1f} ms, masters "
+        where = "" if bucket is None else f" bucket {bucket}"
+        print(f"{name:14s} {row['parameters'] / 1e6:.1f}M params{where}: FP32 weights {row['fp32_ms']:.1f} ms, masters "
               f"{row['masters_ms']:.1f} ms, x{row['ratio']:.2f} (per repeat x{row['ratio_min']:.2f}..x{row['ratio_max']:.2f}, "
               f"{row['repeats']} repeats)", flush=True)  # fmt: skip
         if args.profile:

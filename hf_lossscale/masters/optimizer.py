@@ -526,6 +526,7 @@ class OptimizerMasters:
             grad_of=lambda a, b: cast_chunk(part(grad, a, b), factor) if cast else part(grad, a, b),
             load=load,
             store=store,
+            grad_into=(lambda a, b, out: cast_chunk(part(grad, a, b), factor, out)) if cast else None,
         )
 
     def master_of(self, param: torch.Tensor) -> torch.Tensor:

@@ -351,11 +351,14 @@ def extra_bytes(pair: Pair) -> int:
     return 0 if pair.shell else pair.master.numel() * pair.master.element_size()
 
 
-def cast_chunk(grad: torch.Tensor, factor: torch.Tensor | None) -> torch.Tensor:
+def cast_chunk(
+    grad: torch.Tensor, factor: torch.Tensor | None, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """A chunk of a pending FP16 gradient in FP32, times its factor: the values the gradient would hold
-    cast into the master and unscaled there (the same two roundings); a copy, also of an FP32 one (the
-    gradient of a model cast with `model.float()`), which the unscale must not write into."""
-    out = grad.to(torch.float32, copy=True)
+    cast into the master and unscaled there (the same two roundings); a copy (into `out`, an FP32
+    tensor of its elements, where given), also of an FP32 one (the gradient of a model cast with
+    `model.float()`), which the unscale must not write into."""
+    out = grad.to(torch.float32, copy=True) if out is None else out.view(grad.shape).copy_(grad)
     return out if factor is None else out.mul_(factor)
 
 

@@ -49,8 +49,12 @@ __all__ = [
 BUCKET_ELEMENTS = 1 << 21
 #: The chunked update's buckets: a 64th of the group's elements (so its transients, an FP32 gradient
 #: chunk and the kernels' temporaries of the same size, stay a few percent of the model), within these
-#: bounds (fewer, larger calls on big models; not below 256 KiB of FP32 per call).
-UPDATE_BUCKET = (1 << 16, 1 << 24)
+#: bounds: 2 to 4 MiB of FP32 per call. Below, each call's fixed cost (torch's functional wrapper, the
+#: views) outweighs its work: a 2.1M-parameter MLP stepped x2.4 slower than on FP32 weights in 256 KiB
+#: buckets, x1.4 in 2 MiB ones. Above, a bucket's working set (the FP32 gradient chunk, the master
+#: and both moments) leaves the cache between the cast, the update and the FP16 write
+#: (`benchmarks/master_step_ratio.py --bucket`).
+UPDATE_BUCKET = (1 << 19, 1 << 20)
 #: A tensor is cut at multiples of this many elements: the CPU kernels' vector loops (and CUDA's
 #: vectorised loads) then cover the same elements as over the whole tensor, so the result is bitwise
 #: the whole tensor's (a cut mid-vector moves elements to the scalar tail, which rounds differently).
@@ -79,7 +83,10 @@ class Slot:
     key), `grad_of(a, b)` the chunk's FP32 gradient (unscaled), `load(a, b)` the chunk's FP32 weight (a
     view to update in place, or a temporary), `store(a, b, new)` writes the updated chunk back (the FP16
     weight, the buffer); `numel` the elements, `flat` whether chunks are views of flattened tensors
-    (contiguous ones; otherwise the tensor is one chunk)."""
+    (contiguous ones; otherwise the tensor is one chunk). `grad_into(a, b, out)`, where given, writes
+    the chunk's FP32 gradient into `out` (FP32, b - a elements) and returns it: a flat chunk's cast
+    then goes into one buffer per step instead of a fresh tensor per chunk (which, with an allocator
+    that returns large blocks to the system, faults its pages in anew every time)."""
 
     key: torch.Tensor
     numel: int
@@ -87,6 +94,7 @@ class Slot:
     grad_of: Callable[[int, int], torch.Tensor]
     load: Callable[[int, int], torch.Tensor]
     store: Callable[[int, int, torch.Tensor], None]
+    grad_into: Callable[[int, int, torch.Tensor], torch.Tensor] | None = None
 
 
 def _scalar_dtype(fused: bool) -> torch.dtype:
@@ -163,6 +171,7 @@ def run_chunked(
     else:
         states = {id(s.key): optimizer.state[s.key] for s in slots} if group["momentum"] != 0 else {}
     new_buffers: dict[int, torch.Tensor] = {}  # SGD's first step: full momentum buffers, filled per chunk
+    scratch = _Scratch(slots[0].key.device)
     with torch.no_grad():
         for chunks in _buckets(slots, bucket):
             if kind == "sgd" and group["momentum"] != 0 and group["fused"]:
@@ -173,9 +182,29 @@ def run_chunked(
             else:
                 parts = [chunks]
             for part in parts:
-                _run_part(optimizer, group, kind, part, states, new_buffers, grad_scale, found_inf)
+                _run_part(optimizer, group, kind, part, states, new_buffers, grad_scale, found_inf, scratch)
     for key_id, buf in new_buffers.items():
         states[key_id]["momentum_buffer"] = buf
+
+
+class _Scratch:
+    """One FP32 buffer for the chunks' gradients of a step, grown to the largest part it serves."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device, self.buffer = device, None
+
+    def grads(self, chunks: list[tuple[Slot, int, int]]) -> list[torch.Tensor]:
+        need = sum(b - a for slot, a, b in chunks if slot.flat and slot.grad_into is not None)
+        if need and (self.buffer is None or self.buffer.numel() < need):
+            self.buffer = torch.empty(need, dtype=torch.float32, device=self.device)
+        grads, at = [], 0
+        for slot, a, b in chunks:
+            if slot.flat and slot.grad_into is not None:
+                grads.append(slot.grad_into(a, b, self.buffer[at : at + b - a]))
+                at += b - a
+            else:
+                grads.append(slot.grad_of(a, b))
+        return grads
 
 
 def _run_part(
@@ -187,9 +216,10 @@ def _run_part(
     new_buffers: dict[int, torch.Tensor],
     grad_scale: torch.Tensor | None,
     found_inf: torch.Tensor | None,
+    scratch: _Scratch,
 ) -> None:
     values = [slot.load(a, b) for slot, a, b in chunks]
-    grads = [slot.grad_of(a, b) for slot, a, b in chunks]
+    grads = scratch.grads(chunks)
     if kind == "adam":
         steps = []
         for slot, _, b in chunks:
