@@ -4,7 +4,7 @@ PYTHON ?= python3
 PIP ?= $(PYTHON) -m pip
 TORCH ?= torch==2.13.0
 
-.PHONY: install install-dev demo test test-slow test-latest lock bench quality format docs
+.PHONY: install install-dev demo test test-kernel test-slow test-latest lock bench quality format docs
 
 # The test environment is pinned: constraints.txt holds every package's exact version (see `lock`).
 CONSTRAINTS ?= constraints.txt
@@ -22,6 +22,13 @@ demo: install
 
 test: install-dev
 	HF_LOSSSCALE_CHECK_LOCK=1 $(PYTHON) -m pytest -q
+
+# The masters' Triton kernel (masters/kernel.py) through Triton's interpreter on the CPU: Triton goes
+# into .triton/, beside the venv, not in it (torch's CPU wheel does not need it, and it is 285 MB).
+TRITON ?= triton==3.9.0
+test-kernel: install-dev
+	test -d .triton/triton || $(PIP) install -q --no-deps --target .triton $(TRITON)
+	PYTHONPATH=.triton $(PYTHON) -m pytest -q tests/test_master_kernel.py
 
 test-slow: install-dev
 	$(PYTHON) -m pytest -q -m slow

@@ -14,7 +14,8 @@
 # boxes add up to 600 s at most (GPU_CHECK_STEPS picks steps for a rerun); measured runs are shorter.
 # Steps 8, 9, 10 and 11 run only when asked for (GPU_CHECK_STEPS="1 8": 80 + 430 s; "9": 215 s; "10":
 # 200 s: the memory floor of issue 49, memory_floor_cuda.json and .md; "11": 120 s, the one-pass
-# master kernel's tests and master_kernel_cuda.json, master_kernel_gpt2_cuda.json; "12": 90 s, accelerate's
+# master kernel's tests and master_kernel_cuda.json, master_kernel_gpt2_cuda.json (one launch per group, in GB/s
+# against the bandwidth, beside torch's fused AdamW on FP32 weights and, where installed, Transformer Engine's FusedAdam); "12": 90 s, accelerate's
 # fp16 optimizer test upstream and with ours, and master_step_ratio_cuda.json). Step 8 needs
 # the data (`gpu_prepare.py --data`), step 9 TRL (`gpu_prepare.py`, the default): one call carries one.
 #   1. the CUDA tests (pytest -m cuda): among them no host sync under

@@ -5,12 +5,18 @@ memory traffic it implies, in GB/s against the device's memory bandwidth.
 Each arm steps the same tensors (one parameter of `--numel` elements, or a GPT-2-shaped list of them
 with `--shapes gpt2`) with FP16 gradients pending in the scaler's hand-over:
 
-- `one-pass`: `master_kernel.run_one_pass` (reads the FP16 gradient, the FP32 master and moments once,
-  writes master, moments and the FP16 weight): 28 bytes per parameter;
+- `one-pass`: `master_kernel.run_one_pass`, one launch for the whole group (reads the FP16 gradient,
+  the FP32 master and moments once, writes master, moments and the FP16 weight): 28 bytes per
+  parameter;
 - `chunked`: `master_step.run_chunked` with torch's fused kernel on FP32 chunks cast from the FP16
   gradient (the CPU's path, and CUDA's without Triton): 28 + 4 + 4 + 2 bytes per parameter (the cast
   writes and re-reads an FP32 chunk, the FP16 weight is written from the master);
-- `fp32 fused`: torch's fused AdamW on FP32 weights with FP32 gradients: 4 + 16 + 16 = 32 bytes.
+- `fp32 fused`: torch's fused AdamW on FP32 weights with FP32 gradients: 4 + 16 + 16 = 32 bytes;
+- `te FusedAdam`: Transformer Engine's `FusedAdam(master_weights=True)` on the FP16 weights (its
+  FP32 masters in its state), 28 bytes, where `transformer_engine.pytorch` imports. It cannot be
+  carried to the lent machine: its torch binding (`transformer_engine_torch`) has no wheel on PyPI
+  (a source build against the machine's torch and CUDA), and the core wheel is 729 MB against the
+  device tool's 64 MiB; the arm runs where the machine has it installed.
 
 The GB/s column counts each arm's own bytes; `peak` is the device's memory bandwidth from its
 properties (bus width x memory clock x 2). Noise: each figure is the median of `--repeats` timed
@@ -58,6 +64,20 @@ def _time(fn, steps: int, repeats: int) -> tuple[float, float, float]:
     return statistics.median(times), min(times), max(times)
 
 
+def _transformer_engine_arm(masters: list[torch.Tensor], grads16: list[torch.Tensor]):
+    """Transformer Engine's FusedAdam with FP32 master weights on FP16 copies of the weights, or None
+    where it does not import."""
+    try:
+        from transformer_engine.pytorch.optimizers import FusedAdam
+    except Exception:  # not installed, or built for another torch or CUDA
+        return None
+    halves = [torch.nn.Parameter(m.half()) for m in masters]
+    for p, g in zip(halves, grads16, strict=True):
+        p.grad = g
+    opt = FusedAdam(halves, lr=1e-4, weight_decay=0.01, master_weights=True)
+    return opt.step
+
+
 def run(shapes: list[tuple[int, ...]], steps: int, repeats: int) -> dict:
     from hf_lossscale.masters.kernel import OnePassSlot, run_one_pass
     from hf_lossscale.masters.step import Slot, adam_state, run_chunked
@@ -74,7 +94,7 @@ def run(shapes: list[tuple[int, ...]], steps: int, repeats: int) -> dict:
     slots = [OnePassSlot(k, g, factor, k.data, h) for k, g, h in zip(keys, grads16, halves, strict=True)]
 
     def one_pass():
-        run_one_pass(opt, group, slots, lambda key: adam_state(opt, group, key), scale, found_inf)
+        assert run_one_pass(opt, group, slots, lambda key: adam_state(opt, group, key), scale, found_inf)
 
     def chunk_slot(k, g, h):
         flat_m, flat_g, flat_h = k.data.view(-1), g.view(-1), h.view(-1)
@@ -93,6 +113,9 @@ def run(shapes: list[tuple[int, ...]], steps: int, repeats: int) -> dict:
     fp32_opt.grad_scale, fp32_opt.found_inf = scale, found_inf
     n = sum(m.numel() for m in masters)
     arms = {"one-pass": (one_pass, 28), "chunked": (chunked, 38), "fp32 fused": (fp32_opt.step, 32)}
+    te_step = _transformer_engine_arm(masters, grads16)
+    if te_step is not None:
+        arms["te FusedAdam"] = (te_step, 28)
     out = {"parameters": n, "tensors": len(shapes), "device": torch.cuda.get_device_name(0), "peak_gbs": _peak_gbs(),
            "steps": steps, "repeats": repeats, "arms": {}}  # fmt: skip
     for name, (fn, bytes_per) in arms.items():

@@ -252,3 +252,169 @@ def test_the_scaler_steps_through_the_kernel_as_through_the_chunked_update(devic
         assert (a != b).float().mean() <= 0.01  # the FP16 weights: equal but for a rare rounding tie
     steps = [float(s["step"]) for s in opt_k.state.values()]
     assert steps == [float(s["step"]) for s in opt_c.state.values()] == [3.0] * len(steps)
+
+
+class _Launches:
+    """Counts the kernel's launches (each `kernel[grid](...)`) and the programs of each."""
+
+    def __init__(self, monkeypatch):
+        self.grids = []
+        real = master_kernel._kernel
+
+        def counting():
+            kernel = real()
+            launches = self
+
+            class Counted:
+                def __getitem__(self, grid):
+                    launches.grids.append(grid)
+                    return kernel[grid]
+
+            return Counted()
+
+        counting.cache_clear = real.cache_clear  # the device fixture clears the cache at its end
+        monkeypatch.setattr(master_kernel, "_kernel", counting)
+
+
+def _group(device, shapes, fused=True, seed=3):
+    g = torch.Generator().manual_seed(seed)
+    masters = [(torch.randn(s, generator=g) * 0.1).to(device) for s in shapes]
+    keys = [m.clone().requires_grad_() for m in masters]
+    opt = torch.optim.AdamW(keys, lr=HYPER["lr"], betas=(HYPER["beta1"], HYPER["beta2"]), eps=HYPER["eps"],
+                            weight_decay=HYPER["wd"], fused=fused)  # fmt: skip
+    for k in keys:  # a random state, as after a few steps
+        opt.state[k].update(step=torch.tensor(4.0, device=device), exp_avg=torch.randn(k.shape, generator=g).to(device) * 1e-2,
+                            exp_avg_sq=torch.rand(k.shape, generator=g).to(device) * 1e-3)  # fmt: skip
+    return masters, keys, opt, g
+
+
+def _expected(masters, opt, keys, grads16, factors, grad_scale, step):
+    out = []
+    for m, k, g16, f in zip(masters, keys, grads16, factors, strict=True):
+        st = opt.state[k]
+        grad = g16.float() * (f if f is not None else 1.0)
+        out.append(cuda_adam_math(m.clone(), st["exp_avg"].clone(), st["exp_avg_sq"].clone(), grad, step,
+                                  decoupled=True, grad_scale=grad_scale, **HYPER))  # fmt: skip
+    return out
+
+
+@needs_triton
+def test_one_launch_steps_a_whole_group_of_many_tensors(device, monkeypatch):
+    """A group of tensors of many lengths (several spanning chunks, ends off the block), one launch:
+    each tensor's master, moments and FP16 weight as torch's fused arithmetic gives them, each counter
+    moved once. Catches: a program table that skips or repeats a chunk, a tensor's row read for
+    another (a column or an index off), a per-tensor factor or bias correction taken from the wrong
+    tensor, the last chunk's bound taken as the chunk's instead of the tensor's."""
+    monkeypatch.setattr(master_kernel, "CHUNK", 2048)
+    launches = _Launches(monkeypatch)
+    shapes = [(5,), (4096,), (37, 111), (1,), (2048,), (3, 1025)]
+    masters, keys, opt, g = _group(device, shapes)
+    for i, k in enumerate(keys):  # counters differ per tensor: the corrections are per tensor
+        opt.state[k]["step"].fill_(3.0 + i)
+    grads16 = [(torch.randn(s, generator=g) * 100).half().to(device) for s in shapes]
+    factors = [torch.tensor(0.25 * (i + 1), device=device) if i % 3 else None for i in range(len(shapes))]
+    steps = [float(opt.state[k]["step"]) + 1 for k in keys]
+    grad_scale = torch.tensor(8.0, device=device)
+    expected = [
+        _expected([m], opt, [k], [g16], [f], grad_scale, s)[0]
+        for m, k, g16, f, s in zip(masters, keys, grads16, factors, steps, strict=True)
+    ]
+    before = [m.clone() for m in masters]
+    weights = [m.half() for m in masters]
+    slots = [
+        OnePassSlot(k, g16, f, m, w) for k, g16, f, m, w in zip(keys, grads16, factors, masters, weights)
+    ]
+    group = opt.param_groups[0]
+    assert one_pass_reason(opt, group, slots) is None
+    assert run_one_pass(opt, group, slots, lambda k: opt.state[k], grad_scale, torch.zeros((), device=device))
+    assert len(launches.grids) == 1
+    assert launches.grids[0][0] == sum(-(-math.prod(s) // 2048) for s in shapes)  # one program per chunk
+    for i, (m, w, k, (param, exp_avg, exp_avg_sq)) in enumerate(zip(masters, weights, keys, expected)):
+        errors = _ulp_errors(m, param, before[i])
+        assert errors.max() <= 2 and (errors > 1).float().mean() <= 1e-2, f"tensor {i}"
+        assert (
+            _ulps(opt.state[k]["exp_avg"], exp_avg) <= 1
+            and _ulps(opt.state[k]["exp_avg_sq"], exp_avg_sq) <= 1
+        )
+        assert torch.equal(w, m.half()), f"tensor {i}"
+        assert float(opt.state[k]["step"]) == steps[i]
+
+
+@needs_triton
+def test_the_tables_are_kept_for_the_same_tensors_and_made_anew_for_others(device, monkeypatch):
+    """A second step over the same tensors copies no table; a gradient at another address gets a table
+    of its own (the kernel reads the new gradient, not the one at the old address), and the tables kept
+    stay a few. Catches: a cache keyed on the tensors' count or shapes instead of their addresses (the
+    step then reads a freed or stale gradient)."""
+    copies = []
+    real = master_kernel._to_device
+    monkeypatch.setattr(master_kernel, "_to_device", lambda *a: copies.append(a[1]) or real(*a))
+    shapes = [(300,), (17, 3)]
+    masters, keys, opt, g = _group(device, shapes)
+    weights = [m.half() for m in masters]
+    group = opt.param_groups[0]
+    grads16 = [(torch.randn(s, generator=g) * 100).half().to(device) for s in shapes]
+
+    def step(grads):
+        slots = [OnePassSlot(k, g16, None, m, w) for k, g16, m, w in zip(keys, grads, masters, weights)]
+        assert run_one_pass(opt, group, slots, lambda k: opt.state[k], None, None)
+
+    step(grads16)
+    assert copies == [torch.int64, torch.int64]  # the two tables, once (the counters are on the device)
+    step(grads16)
+    assert len(copies) == 2
+    others = [g16.clone() * 0 + 1 for g16 in grads16]  # other addresses, other values
+    expected = _expected(
+        masters, opt, keys, others, [None, None], None, float(opt.state[keys[0]]["step"]) + 1
+    )
+    step(others)
+    assert len(copies) == 4
+    for m, (param, _, _) in zip(masters, expected, strict=True):
+        torch.testing.assert_close(m, param, rtol=1e-6, atol=0)
+    for _ in range(master_kernel._KEPT + 2):
+        step([g16.clone() for g16 in grads16])
+    assert len([k for k in master_kernel._Tables._of[opt] if k[0] != "ones"]) == master_kernel._KEPT
+
+
+@needs_triton
+def test_while_capturing_a_graph_the_kernel_runs_on_kept_tables_only(device, monkeypatch):
+    """During a CUDA graph capture (forced here) nothing may be copied from the host: tables kept from a
+    step before the capture are used; without them `run_one_pass` returns False and moves nothing (the
+    caller steps the chunked way). Catches: a host copy captured into the graph (it would read freed
+    host memory at replay), a counter moved on a step that did not run."""
+    shapes = [(300,), (40,)]
+    masters, keys, opt, g = _group(device, shapes)
+    weights = [m.half() for m in masters]
+    group = opt.param_groups[0]
+    grads16 = [(torch.randn(s, generator=g) * 100).half().to(device) for s in shapes]
+    slots = [OnePassSlot(k, g16, None, m, w) for k, g16, m, w in zip(keys, grads16, masters, weights)]
+    monkeypatch.setattr(master_kernel, "_capturing", lambda device: True)
+    monkeypatch.setattr(master_kernel, "_to_device", lambda *a: pytest.fail("a host copy while capturing"))
+    before = [m.clone() for m in masters]
+    assert run_one_pass(opt, group, slots, lambda k: opt.state[k], None, None) is False
+    assert all(torch.equal(a, b) for a, b in zip(before, masters))
+    assert all(float(opt.state[k]["step"]) == 4 for k in keys)
+    monkeypatch.undo()
+    if device == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert run_one_pass(opt, group, slots, lambda k: opt.state[k], None, None)  # before the capture
+    monkeypatch.setattr(master_kernel, "_capturing", lambda device: True)
+    monkeypatch.setattr(master_kernel, "_to_device", lambda *a: pytest.fail("a host copy while capturing"))
+    assert run_one_pass(opt, group, slots, lambda k: opt.state[k], None, None)
+    assert all(float(opt.state[k]["step"]) == 6 for k in keys)
+
+
+@needs_triton
+def test_a_capture_without_kept_tables_steps_through_the_chunked_update(device, monkeypatch):
+    """The scaler's step while capturing with no table kept: the chunked update runs (bitwise torch's
+    optimizer on FP32 weights), not a half-done kernel step."""
+    monkeypatch.setattr(master_kernel, "_capturing", lambda device: True)
+    launches = _Launches(monkeypatch)
+    model, masters, skipped, opt = _train_with_scaler(device, True, False)
+    monkeypatch.setattr(master_kernel, "one_pass_reason", lambda *a: "forced off")
+    import hf_lossscale.masters.optimizer as mw
+
+    monkeypatch.setattr(mw, "one_pass_reason", lambda *a: "forced off")
+    _, masters_c, skipped_c, _ = _train_with_scaler(device, True, False)
+    assert launches.grids == [] and skipped == skipped_c == 1
+    assert all(torch.equal(a, b) for a, b in zip(masters, masters_c, strict=True))

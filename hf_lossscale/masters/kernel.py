@@ -1,11 +1,20 @@
-"""One pass over memory for the FP32-master Adam/AdamW step on CUDA (issue 49): a Triton kernel.
+"""One pass over memory for the FP32-master Adam/AdamW step on CUDA (issue 49): a Triton kernel,
+launched once for a parameter group (issue 56), as Apex's and Transformer Engine's FusedAdam are.
 
 For each FP16 parameter the kernel reads its FP16 gradient once, and in the same pass multiplies it
 by the unscale (and clip) factor, divides it by a fused optimizer's `grad_scale`, runs Adam or AdamW on
 the FP32 master and moments (torch's fused arithmetic), and writes the master, the moments and the
 FP16 weight. A step whose `found_inf` is set writes nothing. Everything it reads is on the device (the
 factor, `grad_scale`, `found_inf`, the step counter of a fused or capturable group), so it adds no
-host sync and a CUDA graph can capture it.
+host sync.
+
+One launch covers the group: a table on the device holds each tensor's addresses and length, another
+each program's (tensor, first element) pair, `CHUNK` elements per program (what Apex's
+`multi_tensor_apply` hands a CUDA block). The tables are made on the host and copied once (pinned,
+without waiting); a step over the same tensors (the same addresses: the masters, moments and weights
+stay put, and a gradient the allocator hands the same block) reuses them, copying nothing. While a
+CUDA graph is being captured, tables not made before the capture cannot be copied (the copy would
+read host memory at replay): that step takes the chunked update (`run_one_pass` returns False).
 
 Reading the gradient once more than this is not avoidable: whether a step is skipped (and the clip's
 norm) depends on every gradient, so the scaler's read-only check (`grad_pass.check_`, the FP16
@@ -13,13 +22,15 @@ gradients as they are, or `_foreach_norm` for the clip) comes before any write.
 
 It runs where Triton is importable and the parameters are on CUDA (torch's CUDA wheels ship Triton);
 elsewhere the chunked update of `masters.step` runs, bitwise torch's optimizer. `TRITON_INTERPRET=1`
-runs the kernel on a CPU (slowly), which is how its tests check it against torch's AdamW without a GPU.
+runs the kernel on a CPU (slowly), which is how its tests check it against torch's AdamW without a GPU
+(`make test-kernel`).
 """
 
 from __future__ import annotations
 
 import functools
 import os
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,8 +38,14 @@ import torch
 
 __all__ = ["OnePassSlot", "one_pass_reason", "run_one_pass", "triton_available"]
 
-#: Elements per Triton program.
+#: Elements per loop iteration of a program, and per program (a program loops over its chunk).
 BLOCK = 1024
+CHUNK = 1 << 16
+#: The columns of the tensor table: each tensor's addresses (the FP16 gradient, its FP32 factor, the
+#: FP32 master, both moments, the FP16 weight) and its length.
+_COLUMNS = 7
+#: Tables kept per optimizer (a few address sets: gradients the allocator hands different blocks).
+_KEPT = 4
 
 
 @dataclass(eq=False)
@@ -65,9 +82,14 @@ def one_pass_reason(optimizer: torch.optim.Optimizer, group: dict, slots: list[O
         return "amsgrad, maximize or differentiable"
     if torch.is_tensor(group["lr"]):
         return "a tensor learning rate"
+    devices = {s.master.device for s in slots}
+    if len(devices) > 1:
+        return "parameters on several devices"
     for s in slots:
         if s.grad.dtype != torch.float16 or s.master.dtype != torch.float32:
             return "not an FP16 gradient with an FP32 master"
+        if s.factor is not None and (s.factor.dtype != torch.float32 or s.factor.numel() != 1):
+            return "a factor that is not one FP32 number"
         if not (s.grad.is_contiguous() and s.master.is_contiguous() and s.weight.is_contiguous()):
             return "a non-contiguous tensor"
         if s.master.device.type != "cuda" and not _interpreting():
@@ -82,6 +104,10 @@ def _counter_on_device(step: torch.Tensor, master: torch.Tensor) -> bool:
     return step.device == master.device
 
 
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _fp32(x: float) -> float:
     return float(torch.tensor(x, dtype=torch.float32))
 
@@ -92,6 +118,54 @@ def _split(x: float) -> tuple[float, float]:
     return hi, float(torch.tensor(x - hi, dtype=torch.float32))
 
 
+def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A host list on the device without waiting for it: from pinned memory (torch's host allocator
+    keeps the block until the copy is done) on CUDA."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
+class _Tables:
+    """The launch's tables per address set, kept on the optimizer's side (weakly: they die with it)."""
+
+    _of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+    @classmethod
+    def get(
+        cls, optimizer: torch.optim.Optimizer, slots: list[OnePassSlot], states: list[dict], build: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+        """(tensor table, program table, programs) for `slots`; None where they are not kept and
+        `build` is False. Addresses and lengths are all a table holds: a new tensor at a kept address
+        with the same length is the same to the kernel."""
+        device = slots[0].master.device
+        kept = cls._of.setdefault(optimizer, {})
+        ones = kept.get(("ones", device))
+        if ones is None:
+            ones = kept[("ones", device)] = torch.ones((), dtype=torch.float32, device=device)
+        rows = [
+            (s.grad.data_ptr(), (s.factor if s.factor is not None else ones).data_ptr(), s.master.data_ptr(),
+             st["exp_avg"].data_ptr(), st["exp_avg_sq"].data_ptr(), s.weight.data_ptr(), s.master.numel())
+            for s, st in zip(slots, states, strict=True)
+        ]  # fmt: skip
+        key = (device, tuple(rows))
+        found = kept.get(key)
+        if found is not None or not build:
+            return found
+        programs = [(t, start) for t, row in enumerate(rows) for start in range(0, row[-1], CHUNK)]
+        found = (
+            _to_device([v for row in rows for v in row], torch.int64, device),
+            _to_device([v for p in programs for v in p], torch.int64, device),
+            len(programs),
+        )
+        tables = [k for k in kept if k[0] != "ones"]
+        if len(tables) >= _KEPT:
+            del kept[tables[0]]  # the oldest
+        kept[key] = found
+        return found
+
+
 @functools.cache
 def _kernel() -> Any:
     import triton
@@ -99,62 +173,96 @@ def _kernel() -> Any:
 
     @triton.jit
     def master_adam(
-        grad_ptr, factor_ptr, scale_ptr, inf_ptr, step_ptr,
-        master_ptr, exp_avg_ptr, exp_avg_sq_ptr, weight_ptr, n,
+        table_ptr, programs_ptr, scale_ptr, inf_ptr, corrections_ptr,
         lr_hi, lr_lo, beta1_hi, beta1_lo, beta2_hi, beta2_lo, eps_hi, eps_lo, wd_hi, wd_lo,
-        step_size_host, bc2_sqrt_host,
         HAS_FACTOR: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, HAS_WD: tl.constexpr,
-        STEP_ON_DEVICE: tl.constexpr, DECOUPLED: tl.constexpr, BLOCK: tl.constexpr,
+        DECOUPLED: tl.constexpr, COLUMNS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
         # torch's fused CUDA Adam (`adam_math` in fused_adam_utils.cuh), in its order and precisions:
         # hyperparameters are doubles (here to 48 bits: two floats), the bias corrections and the values
         # FP32 ("opmath"), so each expression that mixes a hyperparameter in is computed in double and
         # rounded to FP32 where torch stores it.
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        if HAS_INF:  # a skipped step writes nothing
-            mask = mask & (tl.load(inf_ptr + offs * 0) == 0)  # the flag, read by every lane
-        grad = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        if HAS_FACTOR:  # the unscale (and clip) factor, as the chunked path casts: FP32
-            grad = grad * tl.load(factor_ptr + offs * 0)
-        if HAS_SCALE:  # a fused optimizer's grad_scale: grad /= (double)*grad_scale
-            grad = (grad.to(tl.float64) / tl.load(scale_ptr + offs * 0).to(tl.float64)).to(tl.float32)
-        param = tl.load(master_ptr + offs, mask=mask, other=0.0)
-        exp_avg = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
-        exp_avg_sq = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
+        program = tl.program_id(0)
+        t = tl.load(programs_ptr + 2 * program)
+        first = tl.load(programs_ptr + 2 * program + 1)
+        row = table_ptr + COLUMNS * t
+        grad_ptr = tl.load(row).to(tl.pointer_type(tl.float16))
+        factor_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
+        master_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
+        exp_avg_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
+        exp_avg_sq_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
+        weight_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float16))
+        n = tl.load(row + 6)
+        last = tl.minimum(first + CHUNK, n)
         # doubles, each passed as two floats (kernel float arguments are FP32)
-        lr, wd = (
-            (tl.cast(lr_hi, tl.float64) + tl.cast(lr_lo, tl.float64)),
-            (tl.cast(wd_hi, tl.float64) + tl.cast(wd_lo, tl.float64)),
-        )
-        beta1, beta2 = (
-            (tl.cast(beta1_hi, tl.float64) + tl.cast(beta1_lo, tl.float64)),
-            (tl.cast(beta2_hi, tl.float64) + tl.cast(beta2_lo, tl.float64)),
-        )
-        if STEP_ON_DEVICE:  # (lr / bias correction 1, sqrt(bias correction 2)) made from the device counter
-            step_size = tl.load(step_ptr + offs * 0)
-            bc2_sqrt = tl.load(step_ptr + 1 + offs * 0)
-        else:
-            step_size = tl.cast(step_size_host, tl.float32)
-            bc2_sqrt = tl.cast(bc2_sqrt_host, tl.float32)
-        if HAS_WD:
-            if DECOUPLED:
-                param = (param.to(tl.float64) - lr * wd * param.to(tl.float64)).to(tl.float32)
-            else:
-                grad = (grad.to(tl.float64) + param.to(tl.float64) * wd).to(tl.float32)
-        g64 = grad.to(tl.float64)
-        exp_avg = (beta1 * exp_avg.to(tl.float64) + (1 - beta1) * g64).to(tl.float32)
-        exp_avg_sq = (beta2 * exp_avg_sq.to(tl.float64) + (1 - beta2) * g64 * g64).to(tl.float32)
-        # sqrt(v) / sqrt(bias correction 2) in FP32, then + eps in double
+        lr = tl.cast(lr_hi, tl.float64) + tl.cast(lr_lo, tl.float64)
+        wd = tl.cast(wd_hi, tl.float64) + tl.cast(wd_lo, tl.float64)
+        beta1 = tl.cast(beta1_hi, tl.float64) + tl.cast(beta1_lo, tl.float64)
+        beta2 = tl.cast(beta2_hi, tl.float64) + tl.cast(beta2_lo, tl.float64)
         eps = tl.cast(eps_hi, tl.float64) + tl.cast(eps_lo, tl.float64)
-        denom = (tl.div_rn(tl.sqrt_rn(exp_avg_sq), bc2_sqrt).to(tl.float64) + eps).to(tl.float32)
-        param = param - tl.div_rn(step_size * exp_avg, denom)  # IEEE division, as CUDA's `/`
-        tl.store(master_ptr + offs, param, mask=mask)
-        tl.store(exp_avg_ptr + offs, exp_avg, mask=mask)
-        tl.store(exp_avg_sq_ptr + offs, exp_avg_sq, mask=mask)
-        tl.store(weight_ptr + offs, param.to(tl.float16), mask=mask)
+        # (lr / bias correction 1, sqrt(bias correction 2)), FP32, per tensor
+        step_size = tl.load(corrections_ptr + 2 * t)
+        bc2_sqrt = tl.load(corrections_ptr + 2 * t + 1)
+        for start in range(first, last, BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            mask = offs < last
+            if HAS_INF:  # a skipped step writes nothing
+                mask = mask & (tl.load(inf_ptr + offs * 0) == 0)  # the flag, read by every lane
+            grad = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+            if HAS_FACTOR:  # the unscale (and clip) factor, as the chunked path casts: FP32 (1: none)
+                grad = grad * tl.load(factor_ptr + offs * 0)
+            if HAS_SCALE:  # a fused optimizer's grad_scale: grad /= (double)*grad_scale
+                grad = (grad.to(tl.float64) / tl.load(scale_ptr + offs * 0).to(tl.float64)).to(tl.float32)
+            param = tl.load(master_ptr + offs, mask=mask, other=0.0)
+            exp_avg = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
+            exp_avg_sq = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
+            if HAS_WD:
+                if DECOUPLED:
+                    param = (param.to(tl.float64) - lr * wd * param.to(tl.float64)).to(tl.float32)
+                else:
+                    grad = (grad.to(tl.float64) + param.to(tl.float64) * wd).to(tl.float32)
+            g64 = grad.to(tl.float64)
+            exp_avg = (beta1 * exp_avg.to(tl.float64) + (1 - beta1) * g64).to(tl.float32)
+            exp_avg_sq = (beta2 * exp_avg_sq.to(tl.float64) + (1 - beta2) * g64 * g64).to(tl.float32)
+            # sqrt(v) / sqrt(bias correction 2) in FP32, then + eps in double
+            denom = (tl.div_rn(tl.sqrt_rn(exp_avg_sq), bc2_sqrt).to(tl.float64) + eps).to(tl.float32)
+            param = param - tl.div_rn(step_size * exp_avg, denom)  # IEEE division, as CUDA's `/`
+            tl.store(master_ptr + offs, param, mask=mask)
+            tl.store(exp_avg_ptr + offs, exp_avg, mask=mask)
+            tl.store(exp_avg_sq_ptr + offs, exp_avg_sq, mask=mask)
+            tl.store(weight_ptr + offs, param.to(tl.float16), mask=mask)
 
     return master_adam
+
+
+def _corrections(
+    steps: list[torch.Tensor],
+    on_device: list[bool],
+    lr: float,
+    beta1: float,
+    beta2: float,
+    device: torch.device,
+) -> torch.Tensor:
+    """Each tensor's (lr / bias correction 1, sqrt(bias correction 2)) in FP32 on the device, as torch's
+    fused kernel takes them: a counter on the device computes them there in double (a few kernels for
+    the group, no host read); a counter on the host (for-loop or foreach, not capturable) on the host."""
+    rows: list[torch.Tensor | None] = [None] * len(steps)
+    device_steps = [i for i, d in enumerate(on_device) if d]
+    if device_steps:
+        count = torch.stack([steps[i] for i in device_steps]).double()
+        step_sizes = (lr / (1 - torch.pow(beta1, count)).float().double()).float()
+        bc2_sqrts = torch.sqrt(1 - torch.pow(beta2, count)).float()
+        if len(device_steps) == len(steps):
+            return torch.stack([step_sizes, bc2_sqrts], dim=1)
+        for j, i in enumerate(device_steps):
+            rows[i] = torch.stack([step_sizes[j], bc2_sqrts[j]])
+    host = []
+    for i, step in enumerate(steps):
+        if not on_device[i]:
+            k = float(step)
+            host.append([_fp32(lr / _fp32(1 - beta1**k)), _fp32((1 - beta2**k) ** 0.5)])
+    host_rows = iter(_to_device(host, torch.float32, device)) if host else iter(())
+    return torch.stack([row if row is not None else next(host_rows) for row in rows])
 
 
 def run_one_pass(
@@ -164,50 +272,43 @@ def run_one_pass(
     state_of: Any,
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
-) -> None:
-    """The group's Adam/AdamW update of `slots`, one kernel launch per parameter. `state_of(key)` gives
-    the optimizer's state for a key (created as Adam creates it). Step counters move as torch's fused
-    optimizer moves them: +1, and back on a step `found_inf` skips (on the device)."""
-    import triton
+) -> bool:
+    """The group's Adam/AdamW update of `slots` in one kernel launch. `state_of(key)` gives the
+    optimizer's state for a key (created as Adam creates it). Step counters move as torch's fused
+    optimizer moves them: +1, and back on a step `found_inf` skips (on the device). False, with nothing
+    done, while a CUDA graph is being captured and the tables (or a host counter's corrections) would
+    have to be copied from the host: the caller then takes the chunked update."""
 
-    kernel = _kernel()
+    if not slots:
+        return True
+    device = slots[0].master.device
+    states = [state_of(s.key) for s in slots]
+    steps = [st["step"] for st in states]
+    on_device = [_counter_on_device(step, slot.master) for slot, step in zip(slots, steps, strict=True)]
+    capturing = _capturing(device)
+    if capturing and not all(on_device):
+        return False
+    tables = _Tables.get(optimizer, slots, states, build=not capturing)
+    if tables is None:
+        return False
+    table, programs, count = tables
     beta1, beta2 = group["betas"]
     lr, eps, wd = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
     decoupled = group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW)
-    states = [state_of(s.key) for s in slots]
-    steps = [st["step"] for st in states]
     with torch.no_grad():
         torch._foreach_add_(steps, 1)
-        # A counter on the device (fused or capturable): the bias corrections in double there, as
-        # torch's fused kernel takes them (a few kernels for the whole group, no host read).
-        on_device = [_counter_on_device(step, slot.master) for slot, step in zip(slots, steps, strict=True)]
-        device_steps = [step for step, d in zip(steps, on_device, strict=True) if d]
-        corrections = iter(())
-        if device_steps:
-            count = torch.stack(device_steps).double()
-            # in double, passed on as FP32 (torch's kernel takes them as opmath_t)
-            step_sizes = (lr / (1 - torch.pow(beta1, count)).float().double()).float()
-            bc2_sqrts = torch.sqrt(1 - torch.pow(beta2, count)).float()
-            corrections = iter(torch.stack([step_sizes, bc2_sqrts], dim=1))  # a (step size, sqrt) pair each
-        hyper = [*_split(lr), *_split(beta1), *_split(beta2), *_split(eps), *_split(wd)]
-        for slot, state, step, here in zip(slots, states, steps, on_device, strict=True):
-            dummy = slot.master  # an unused pointer argument
-            pair = next(corrections) if here else dummy
-            step_size, bc2_sqrt = 0.0, 0.0
-            if not here:  # a CPU counter (for-loop or foreach, not capturable): the same, on the host
-                k = float(step)
-                step_size = _fp32(lr / _fp32(1 - beta1**k))
-                bc2_sqrt = _fp32((1 - beta2**k) ** 0.5)
-            n = slot.master.numel()
-            kernel[(triton.cdiv(n, BLOCK),)](
-                slot.grad, slot.factor if slot.factor is not None else dummy,
-                grad_scale if grad_scale is not None else dummy,
-                found_inf if found_inf is not None else dummy,
-                pair, slot.master, state["exp_avg"], state["exp_avg_sq"], slot.weight, n,
-                *hyper, step_size, bc2_sqrt,
-                HAS_FACTOR=slot.factor is not None, HAS_SCALE=grad_scale is not None,
-                HAS_INF=found_inf is not None, HAS_WD=wd != 0, STEP_ON_DEVICE=here, DECOUPLED=decoupled,
-                BLOCK=BLOCK,
-            )  # fmt: skip
+        corrections = _corrections(steps, on_device, lr, float(beta1), float(beta2), device)
+        dummy = corrections  # an unused pointer argument
+        _kernel()[(count,)](
+            table, programs,
+            grad_scale if grad_scale is not None else dummy,
+            found_inf if found_inf is not None else dummy,
+            corrections,
+            *_split(lr), *_split(beta1), *_split(beta2), *_split(eps), *_split(wd),
+            HAS_FACTOR=any(s.factor is not None for s in slots), HAS_SCALE=grad_scale is not None,
+            HAS_INF=found_inf is not None, HAS_WD=wd != 0, DECOUPLED=decoupled, COLUMNS=_COLUMNS,
+            CHUNK=CHUNK, BLOCK=BLOCK,
+        )  # fmt: skip
         if found_inf is not None:
             torch._foreach_sub_(steps, [found_inf.to(steps[0].device)] * len(steps))
+    return True

@@ -435,10 +435,12 @@ class OptimizerMasters:
         try:
             for group, pairs in work:
                 one_pass = self._one_pass_slots(optimizer, group, pairs)
-                if one_pass is not None:  # CUDA with Triton: one kernel pass per parameter
-                    run_one_pass(optimizer, group, one_pass, lambda key, g=group: adam_state(optimizer, g, key),
-                                 grad_scale, found_inf)  # fmt: skip
-                else:
+                # CUDA with Triton: one kernel launch for the group (unless a graph capture needs tables
+                # not made before it)
+                if one_pass is None or not run_one_pass(
+                    optimizer, group, one_pass, lambda key, g=group: adam_state(optimizer, g, key), grad_scale,
+                    found_inf,
+                ):  # fmt: skip
                     run_chunked(
                         optimizer, group, [self._slot(p, found_inf) for p in pairs], grad_scale, found_inf
                     )
