@@ -124,17 +124,20 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     rule = chunked.UPDATE_BUCKET
-    for bucket, name in [(b, n) for b in args.bucket or [None] for n in args.optimizers]:
-        chunked.UPDATE_BUCKET = rule if bucket is None else (bucket, bucket)
-        row = measure(name, args.width, args.layers, args.repeats, args.device)
-        row["bucket"] = bucket
-        rows.append(row)
-        where = "" if bucket is None else f" bucket {bucket}"
-        print(f"{name:14s} {row['parameters'] / 1e6:.1f}M params{where}: FP32 weights {row['fp32_ms']:.1f} ms, masters "
-              f"{row['masters_ms']:.1f} ms, x{row['ratio']:.2f} (per repeat x{row['ratio_min']:.2f}..x{row['ratio_max']:.2f}, "
-              f"{row['repeats']} repeats)", flush=True)  # fmt: skip
-        if args.profile:
-            print(profile(name, args.width, args.layers))
+    try:
+        for bucket, name in [(b, n) for b in args.bucket or [None] for n in args.optimizers]:
+            chunked.UPDATE_BUCKET = rule if bucket is None else (bucket, bucket)
+            row = measure(name, args.width, args.layers, args.repeats, args.device)
+            row["bucket"] = bucket
+            rows.append(row)
+            where = "" if bucket is None else f" bucket {bucket}"
+            print(f"{name:14s} {row['parameters'] / 1e6:.1f}M params{where}: FP32 weights {row['fp32_ms']:.1f} ms, "
+                  f"masters {row['masters_ms']:.1f} ms, x{row['ratio']:.2f} (per repeat x{row['ratio_min']:.2f}.."
+                  f"x{row['ratio_max']:.2f}, {row['repeats']} repeats)", flush=True)  # fmt: skip
+            if args.profile:
+                print(profile(name, args.width, args.layers))
+    finally:
+        chunked.UPDATE_BUCKET = rule  # the package's rule again, for whatever runs next in this process
     if args.json:
         tmp = f"{args.json}.tmp"
         with open(tmp, "w") as f:

@@ -525,10 +525,12 @@ class OptimizerMasters:
             key=pair.master,
             numel=half.numel(),
             flat=flat,
-            grad_of=lambda a, b: cast_chunk(part(grad, a, b), factor) if cast else part(grad, a, b),
+            grad_of=lambda a, b, out=None: (
+                cast_chunk(part(grad, a, b), factor, out) if cast else part(grad, a, b)
+            ),
             load=load,
             store=store,
-            grad_into=(lambda a, b, out: cast_chunk(part(grad, a, b), factor, out)) if cast else None,
+            casts=cast,
         )
 
     def master_of(self, param: torch.Tensor) -> torch.Tensor:

@@ -83,18 +83,18 @@ class Slot:
     key), `grad_of(a, b)` the chunk's FP32 gradient (unscaled), `load(a, b)` the chunk's FP32 weight (a
     view to update in place, or a temporary), `store(a, b, new)` writes the updated chunk back (the FP16
     weight, the buffer); `numel` the elements, `flat` whether chunks are views of flattened tensors
-    (contiguous ones; otherwise the tensor is one chunk). `grad_into(a, b, out)`, where given, writes
-    the chunk's FP32 gradient into `out` (FP32, b - a elements) and returns it: a flat chunk's cast
-    then goes into one buffer per step instead of a fresh tensor per chunk (which, with an allocator
-    that returns large blocks to the system, faults its pages in anew every time)."""
+    (contiguous ones; otherwise the tensor is one chunk). `casts`: `grad_of(a, b, out)` casts the
+    chunk's gradient into `out` (FP32, b - a elements) and returns it, so that a flat chunk's cast goes
+    into one buffer per step instead of a fresh tensor per chunk (which, with an allocator that returns
+    large blocks to the system, faults its pages in anew every time)."""
 
     key: torch.Tensor
     numel: int
     flat: bool
-    grad_of: Callable[[int, int], torch.Tensor]
+    grad_of: Callable[..., torch.Tensor]
     load: Callable[[int, int], torch.Tensor]
     store: Callable[[int, int, torch.Tensor], None]
-    grad_into: Callable[[int, int, torch.Tensor], torch.Tensor] | None = None
+    casts: bool = False
 
 
 def _scalar_dtype(fused: bool) -> torch.dtype:
@@ -194,13 +194,14 @@ class _Scratch:
         self.device, self.buffer = device, None
 
     def grads(self, chunks: list[tuple[Slot, int, int]]) -> list[torch.Tensor]:
-        need = sum(b - a for slot, a, b in chunks if slot.flat and slot.grad_into is not None)
+        buffered = [slot.flat and slot.casts for slot, _, _ in chunks]
+        need = sum(b - a for (_, a, b), into in zip(chunks, buffered, strict=True) if into)
         if need and (self.buffer is None or self.buffer.numel() < need):
             self.buffer = torch.empty(need, dtype=torch.float32, device=self.device)
         grads, at = [], 0
-        for slot, a, b in chunks:
-            if slot.flat and slot.grad_into is not None:
-                grads.append(slot.grad_into(a, b, self.buffer[at : at + b - a]))
+        for (slot, a, b), into in zip(chunks, buffered, strict=True):
+            if into:
+                grads.append(slot.grad_of(a, b, self.buffer[at : at + b - a]))
                 at += b - a
             else:
                 grads.append(slot.grad_of(a, b))
