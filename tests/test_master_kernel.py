@@ -186,6 +186,8 @@ def test_the_kernel_refuses_what_it_does_not_compute():
     adamw = torch.optim.AdamW([key])
     reason = one_pass_reason(adamw, adamw.param_groups[0], [slot])
     assert reason == "not on CUDA"
+    bf16 = OnePassSlot(key, slot.grad, None, slot.master, torch.zeros(4, dtype=torch.bfloat16))
+    assert one_pass_reason(adamw, adamw.param_groups[0], [bf16]) == "not an FP16 weight"
 
 
 def _train_with_scaler(device, fused, clip, steps=4, poison_at=2):
@@ -377,31 +379,45 @@ def test_the_tables_are_kept_for_the_same_tensors_and_made_anew_for_others(devic
 
 
 @needs_triton
-def test_while_capturing_a_graph_the_kernel_runs_on_kept_tables_only(device, monkeypatch):
-    """During a CUDA graph capture (forced here) nothing may be copied from the host: tables kept from a
-    step before the capture are used; without them `run_one_pass` returns False and moves nothing (the
-    caller steps the chunked way). Catches: a host copy captured into the graph (it would read freed
-    host memory at replay), a counter moved on a step that did not run."""
+def test_while_capturing_a_graph_the_kernel_does_not_run(device, monkeypatch):
+    """During a CUDA graph capture (forced here) `run_one_pass` returns False and moves nothing, even with
+    tables kept from a step before the capture (the caller steps the chunked way). Catches: a host copy
+    captured into the graph (it reads freed host memory at replay), a kept table the graph points at
+    that the cache later drops, a counter moved on a step that did not run."""
     shapes = [(300,), (40,)]
     masters, keys, opt, g = _group(device, shapes)
     weights = [m.half() for m in masters]
     group = opt.param_groups[0]
     grads16 = [(torch.randn(s, generator=g) * 100).half().to(device) for s in shapes]
     slots = [OnePassSlot(k, g16, None, m, w) for k, g16, m, w in zip(keys, grads16, masters, weights)]
+    assert run_one_pass(opt, group, slots, lambda k: opt.state[k], None, None)  # before the capture
     monkeypatch.setattr(master_kernel, "_capturing", lambda device: True)
     monkeypatch.setattr(master_kernel, "_to_device", lambda *a: pytest.fail("a host copy while capturing"))
     before = [m.clone() for m in masters]
     assert run_one_pass(opt, group, slots, lambda k: opt.state[k], None, None) is False
     assert all(torch.equal(a, b) for a, b in zip(before, masters))
-    assert all(float(opt.state[k]["step"]) == 4 for k in keys)
-    monkeypatch.undo()
-    if device == "cpu":
-        monkeypatch.setenv("TRITON_INTERPRET", "1")
-    assert run_one_pass(opt, group, slots, lambda k: opt.state[k], None, None)  # before the capture
-    monkeypatch.setattr(master_kernel, "_capturing", lambda device: True)
-    monkeypatch.setattr(master_kernel, "_to_device", lambda *a: pytest.fail("a host copy while capturing"))
+    assert all(float(opt.state[k]["step"]) == 5 for k in keys)
+
+
+@needs_triton
+def test_a_changed_chunk_gets_tables_of_its_own(device, monkeypatch):
+    """The program table is cut at CHUNK: a step after CHUNK changed, over the same tensors, is still
+    torch's arithmetic. Catches: a table kept across a CHUNK change (programs overlap and elements are
+    updated twice)."""
+    shapes = [(5000,)]
+    masters, keys, opt, g = _group(device, shapes)
+    weights = [m.half() for m in masters]
+    group = opt.param_groups[0]
+    grads16 = [(torch.randn(s, generator=g) * 100).half().to(device) for s in shapes]
+    slots = [OnePassSlot(k, g16, None, m, w) for k, g16, m, w in zip(keys, grads16, masters, weights)]
+    monkeypatch.setattr(master_kernel, "CHUNK", 4096)
     assert run_one_pass(opt, group, slots, lambda k: opt.state[k], None, None)
-    assert all(float(opt.state[k]["step"]) == 6 for k in keys)
+    monkeypatch.setattr(master_kernel, "CHUNK", 1024)
+    expected = _expected(masters, opt, keys, grads16, [None], None, float(opt.state[keys[0]]["step"]) + 1)
+    before = masters[0].clone()
+    assert run_one_pass(opt, group, slots, lambda k: opt.state[k], None, None)
+    errors = _ulp_errors(masters[0], expected[0][0], before)
+    assert errors.max() <= 2
 
 
 @needs_triton

@@ -13,8 +13,10 @@ each program's (tensor, first element) pair, `CHUNK` elements per program (what 
 `multi_tensor_apply` hands a CUDA block). The tables are made on the host and copied once (pinned,
 without waiting); a step over the same tensors (the same addresses: the masters, moments and weights
 stay put, and a gradient the allocator hands the same block) reuses them, copying nothing. While a
-CUDA graph is being captured, tables not made before the capture cannot be copied (the copy would
-read host memory at replay): that step takes the chunked update (`run_one_pass` returns False).
+CUDA graph is being captured the kernel does not run (`run_one_pass` returns False and the chunked
+update, torch's capturable kernels, steps): a table copy would read host memory at replay, a kept
+table may be dropped while the graph still points at it, and the per-step factor is a new tensor
+each step, so a table made before the capture would not match anyway.
 
 Reading the gradient once more than this is not avoidable: whether a step is skipped (and the clip's
 norm) depends on every gradient, so the scaler's read-only check (`grad_pass.check_`, the FP16
@@ -90,6 +92,8 @@ def one_pass_reason(optimizer: torch.optim.Optimizer, group: dict, slots: list[O
             return "not an FP16 gradient with an FP32 master"
         if s.factor is not None and (s.factor.dtype != torch.float32 or s.factor.numel() != 1):
             return "a factor that is not one FP32 number"
+        if s.weight.dtype != torch.float16:
+            return "not an FP16 weight"
         if not (s.grad.is_contiguous() and s.master.is_contiguous() and s.weight.is_contiguous()):
             return "a non-contiguous tensor"
         if s.master.device.type != "cuda" and not _interpreting():
@@ -105,7 +109,10 @@ def _counter_on_device(step: torch.Tensor, master: torch.Tensor) -> bool:
 
 
 def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if device.type != "cuda":
+        return False
+    with torch.cuda.device(device):
+        return torch.cuda.is_current_stream_capturing()
 
 
 def _fp32(x: float) -> float:
@@ -134,11 +141,11 @@ class _Tables:
 
     @classmethod
     def get(
-        cls, optimizer: torch.optim.Optimizer, slots: list[OnePassSlot], states: list[dict], build: bool
-    ) -> tuple[torch.Tensor, torch.Tensor, int] | None:
-        """(tensor table, program table, programs) for `slots`; None where they are not kept and
-        `build` is False. Addresses and lengths are all a table holds: a new tensor at a kept address
-        with the same length is the same to the kernel."""
+        cls, optimizer: torch.optim.Optimizer, slots: list[OnePassSlot], states: list[dict]
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(tensor table, program table, programs) for `slots`, kept or made. Addresses and lengths
+        are all a table holds: a new tensor at a kept address with the same length is the same to the
+        kernel."""
         device = slots[0].master.device
         kept = cls._of.setdefault(optimizer, {})
         ones = kept.get(("ones", device))
@@ -149,9 +156,9 @@ class _Tables:
              st["exp_avg"].data_ptr(), st["exp_avg_sq"].data_ptr(), s.weight.data_ptr(), s.master.numel())
             for s, st in zip(slots, states, strict=True)
         ]  # fmt: skip
-        key = (device, tuple(rows))
+        key = (device, CHUNK, tuple(rows))  # the program table is cut at this CHUNK
         found = kept.get(key)
-        if found is not None or not build:
+        if found is not None:
             return found
         programs = [(t, start) for t, row in enumerate(rows) for start in range(0, row[-1], CHUNK)]
         found = (
@@ -276,22 +283,18 @@ def run_one_pass(
     """The group's Adam/AdamW update of `slots` in one kernel launch. `state_of(key)` gives the
     optimizer's state for a key (created as Adam creates it). Step counters move as torch's fused
     optimizer moves them: +1, and back on a step `found_inf` skips (on the device). False, with nothing
-    done, while a CUDA graph is being captured and the tables (or a host counter's corrections) would
-    have to be copied from the host: the caller then takes the chunked update."""
+    done, while a CUDA graph is being captured on the parameters' device: the caller then takes the
+    chunked update."""
 
     if not slots:
         return True
     device = slots[0].master.device
+    if _capturing(device):
+        return False
     states = [state_of(s.key) for s in slots]
     steps = [st["step"] for st in states]
     on_device = [_counter_on_device(step, slot.master) for slot, step in zip(slots, steps, strict=True)]
-    capturing = _capturing(device)
-    if capturing and not all(on_device):
-        return False
-    tables = _Tables.get(optimizer, slots, states, build=not capturing)
-    if tables is None:
-        return False
-    table, programs, count = tables
+    table, programs, count = _Tables.get(optimizer, slots, states)
     beta1, beta2 = group["betas"]
     lr, eps, wd = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
     decoupled = group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW)
