@@ -295,6 +295,12 @@ def run_one_pass(
     steps = [st["step"] for st in states]
     on_device = [_counter_on_device(step, slot.master) for slot, step in zip(slots, steps, strict=True)]
     table, programs, count = _Tables.get(optimizer, slots, states)
+    if count == 0:  # every tensor is empty: the counters move, nothing to launch (a grid of 0 is an error)
+        with torch.no_grad():
+            torch._foreach_add_(steps, 1)
+            if found_inf is not None:
+                torch._foreach_sub_(steps, [found_inf.to(steps[0].device)] * len(steps))
+        return True
     beta1, beta2 = group["betas"]
     lr, eps, wd = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
     decoupled = group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW)
