@@ -295,29 +295,24 @@ def run_one_pass(
     steps = [st["step"] for st in states]
     on_device = [_counter_on_device(step, slot.master) for slot, step in zip(slots, steps, strict=True)]
     table, programs, count = _Tables.get(optimizer, slots, states)
-    if count == 0:  # every tensor is empty: the counters move, nothing to launch (a grid of 0 is an error)
-        with torch.no_grad():
-            torch._foreach_add_(steps, 1)
-            if found_inf is not None:
-                torch._foreach_sub_(steps, [found_inf.to(steps[0].device)] * len(steps))
-        return True
     beta1, beta2 = group["betas"]
     lr, eps, wd = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
     decoupled = group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW)
     with torch.no_grad():
         torch._foreach_add_(steps, 1)
-        corrections = _corrections(steps, on_device, lr, float(beta1), float(beta2), device)
-        dummy = corrections  # an unused pointer argument
-        _kernel()[(count,)](
-            table, programs,
-            grad_scale if grad_scale is not None else dummy,
-            found_inf if found_inf is not None else dummy,
-            corrections,
-            *_split(lr), *_split(beta1), *_split(beta2), *_split(eps), *_split(wd),
-            HAS_FACTOR=any(s.factor is not None for s in slots), HAS_SCALE=grad_scale is not None,
-            HAS_INF=found_inf is not None, HAS_WD=wd != 0, DECOUPLED=decoupled, COLUMNS=_COLUMNS,
-            CHUNK=CHUNK, BLOCK=BLOCK,
-        )  # fmt: skip
+        if count:  # (every tensor empty: nothing to launch, and a grid of 0 programs is an error)
+            corrections = _corrections(steps, on_device, lr, float(beta1), float(beta2), device)
+            dummy = corrections  # an unused pointer argument
+            _kernel()[(count,)](
+                table, programs,
+                grad_scale if grad_scale is not None else dummy,
+                found_inf if found_inf is not None else dummy,
+                corrections,
+                *_split(lr), *_split(beta1), *_split(beta2), *_split(eps), *_split(wd),
+                HAS_FACTOR=any(s.factor is not None for s in slots), HAS_SCALE=grad_scale is not None,
+                HAS_INF=found_inf is not None, HAS_WD=wd != 0, DECOUPLED=decoupled, COLUMNS=_COLUMNS,
+                CHUNK=CHUNK, BLOCK=BLOCK,
+            )  # fmt: skip
         if found_inf is not None:
             torch._foreach_sub_(steps, [found_inf.to(steps[0].device)] * len(steps))
     return True

@@ -435,8 +435,7 @@ class OptimizerMasters:
         try:
             for group, pairs in work:
                 one_pass = self._one_pass_slots(optimizer, group, pairs)
-                # CUDA with Triton: one kernel launch for the group (unless a graph capture needs tables
-                # not made before it)
+                # CUDA with Triton: one kernel launch for the group (not while a CUDA graph is captured)
                 if one_pass is None or not run_one_pass(
                     optimizer, group, one_pass, lambda key, g=group: adam_state(optimizer, g, key), grad_scale,
                     found_inf,
