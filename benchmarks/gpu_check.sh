@@ -13,9 +13,12 @@
 # demo_long_summary.md, demo_long_metrics.json, fp32_module_cost.json, op_count.json. The time
 # boxes add up to 600 s at most (GPU_CHECK_STEPS picks steps for a rerun); measured runs are shorter.
 # Steps 8, 9, 10 and 11 run only when asked for (GPU_CHECK_STEPS="1 8": 80 + 430 s; "9": 215 s; "10":
-# 200 s: the memory floor of issue 49, memory_floor_cuda.json and .md; "11": 120 s, the one-pass
-# master kernel's tests and master_kernel_cuda.json, master_kernel_gpt2_cuda.json (one launch per group, in GB/s
-# against the bandwidth, beside torch's fused AdamW on FP32 weights and, where installed, Transformer Engine's FusedAdam); "12": 90 s, accelerate's
+# 200 s: the memory floor of issue 49, memory_floor_cuda.json and .md; "11": 150 s, the one-pass
+# master kernel's tests (its PTX's 16-byte vector accesses among them) and master_kernel_cuda.json,
+# master_kernel_gpt2_cuda.json (one launch per group, in GB/s against the bandwidth, beside torch's fused
+# AdamW on FP32 weights and, where installed, Transformer Engine's FusedAdam), master_kernel_2m_cuda.json
+# (program sizes for a group of one 2M tensor) and master_kernel_nodecay_cuda.json (GPT-2's no-decay
+# group: many small tensors); "12": 90 s, accelerate's
 # fp16 optimizer test upstream and with ours, and master_step_ratio_cuda.json). Step 8 needs
 # the data (`gpu_prepare.py --data`), step 9 TRL (`gpu_prepare.py`, the default): one call carries one.
 #   1. the CUDA tests (pytest -m cuda): among them no host sync under
@@ -166,10 +169,13 @@ if [ "$CUDA" = 1 ]; then
     --out "$OUT/memory_floor_cuda.json"
   # The one-pass master-weight AdamW kernel (issue 49, item 2): its tests on CUDA (against torch's fused
   # CUDA AdamW, not the interpreter), then its time and GB/s against the chunked update and torch's fused
-  # AdamW on FP32 weights, one 64M tensor and GPT-2's tensor list
-  step "11. one-pass master kernel on CUDA" 120 bash -c '"$0" -m pytest -q tests/test_master_kernel.py -p no:cacheprovider \
+  # AdamW on FP32 weights, one 64M tensor and GPT-2's tensor list; then the program size for a group of
+  # one 2M tensor (32 programs at the default 64Ki) and GPT-2's no-decay group (96 small tensors)
+  step "11. one-pass master kernel on CUDA" 150 bash -c '"$0" -m pytest -q tests/test_master_kernel.py -p no:cacheprovider \
     && "$0" benchmarks/master_kernel.py --json "$1/master_kernel_cuda.json" \
-    && "$0" benchmarks/master_kernel.py --shapes gpt2 --json "$1/master_kernel_gpt2_cuda.json"' "$PY" "$OUT"
+    && "$0" benchmarks/master_kernel.py --shapes gpt2 --json "$1/master_kernel_gpt2_cuda.json" \
+    && "$0" benchmarks/master_kernel.py --numel 2097152 --chunks 8192 16384 --json "$1/master_kernel_2m_cuda.json" \
+    && "$0" benchmarks/master_kernel.py --shapes gpt2-no-decay --json "$1/master_kernel_nodecay_cuda.json"' "$PY" "$OUT"
   # Issue 55/56: accelerate's fp16 optimizer test as upstream wrote it and with our scaler (it needs a GPU
   # upstream; `gpu_prepare.py --peer COPY/test_optimizer.py` carries the copy), and the masters' step
   # against FP32 weights' step on CUDA (fused / foreach AdamW, SGD)

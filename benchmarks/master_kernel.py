@@ -22,7 +22,14 @@ The GB/s column counts each arm's own bytes; `peak` is the device's memory bandw
 properties (bus width x memory clock x 2). Noise: each figure is the median of `--repeats` timed
 blocks of `--steps` steps; the spread (min-max over blocks) is printed next to it.
 
-    python benchmarks/master_kernel.py [--numel 67108864] [--shapes gpt2] [--json out.json]
+    python benchmarks/master_kernel.py [--numel 67108864] [--shapes gpt2|gpt2-no-decay] [--chunks 16384 ...]
+        [--json out.json]
+
+`--chunks` adds one-pass arms with other program sizes: a program never spans two tensors, so the size
+matters for a group of few large tensors (one of 2M elements gets 32 programs at the default 64Ki, for
+an H100's 132 SMs: `--numel 2097152 --chunks 8192 16384`); `programs_at` in the JSON gives each size's
+program count. `--shapes gpt2-no-decay` is the Trainer's other group for GPT-2: 96 tensors of at most
+3,072 elements, one program each, where a launch's fixed cost is the most of its time.
 
 Needs CUDA and Triton (torch's CUDA wheels ship it); elsewhere it says so and exits 0 without a file.
 """
@@ -31,6 +38,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import signal
 import statistics
 import sys
@@ -39,6 +47,8 @@ import torch
 
 GPT2_SHAPES = [(50257, 768), (1024, 768)] + [(768, 2304), (2304,), (768, 768), (768,), (768,), (768,),
                                              (768, 3072), (3072,), (3072, 768), (768,), (768,), (768,)] * 12  # fmt: skip
+#: The Trainer's no-decay group of GPT-2 (biases and LayerNorm weights, 1-D): a group of small tensors.
+GPT2_NO_DECAY_SHAPES = [s for s in GPT2_SHAPES if len(s) == 1]
 
 
 def _peak_gbs() -> float | None:
@@ -78,7 +88,8 @@ def _transformer_engine_arm(masters: list[torch.Tensor], grads16: list[torch.Ten
     return opt.step
 
 
-def run(shapes: list[tuple[int, ...]], steps: int, repeats: int) -> dict:
+def run(shapes: list[tuple[int, ...]], steps: int, repeats: int, chunks: tuple[int, ...] = ()) -> dict:
+    from hf_lossscale.masters import kernel as master_kernel
     from hf_lossscale.masters.kernel import OnePassSlot, run_one_pass
     from hf_lossscale.masters.step import Slot, adam_state, run_chunked
 
@@ -95,6 +106,16 @@ def run(shapes: list[tuple[int, ...]], steps: int, repeats: int) -> dict:
 
     def one_pass():
         assert run_one_pass(opt, group, slots, lambda key: adam_state(opt, group, key), scale, found_inf)
+
+    def one_pass_at(chunk):  # the kernel with programs of `chunk` elements (the module's CHUNK back after)
+        def step():
+            default, master_kernel.CHUNK = master_kernel.CHUNK, chunk
+            try:
+                one_pass()
+            finally:
+                master_kernel.CHUNK = default
+
+        return step
 
     def chunk_slot(k, g, h):
         flat_m, flat_g, flat_h = k.data.view(-1), g.view(-1), h.view(-1)
@@ -113,6 +134,8 @@ def run(shapes: list[tuple[int, ...]], steps: int, repeats: int) -> dict:
     fp32_opt.grad_scale, fp32_opt.found_inf = scale, found_inf
     n = sum(m.numel() for m in masters)
     arms = {"one-pass": (one_pass, 28), "chunked": (chunked, 38), "fp32 fused": (fp32_opt.step, 32)}
+    for chunk in chunks:
+        arms[f"one-pass chunk={chunk}"] = (one_pass_at(chunk), 28)
     te_step = _transformer_engine_arm(masters, grads16)
     if te_step is not None:
         arms["te FusedAdam"] = (te_step, 28)
@@ -134,21 +157,40 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--numel", type=int, default=1 << 26, help="One parameter of this many elements.")
     parser.add_argument(
-        "--shapes", choices=["one", "gpt2"], default="one", help="gpt2: GPT-2 124M's tensors."
+        "--shapes",
+        choices=["one", "gpt2", "gpt2-no-decay"],
+        default="one",
+        help="gpt2: GPT-2 124M's tensors; gpt2-no-decay: its 1-D ones (the Trainer's no-decay group).",
+    )
+    parser.add_argument(
+        "--chunks",
+        type=int,
+        nargs="*",
+        default=(),
+        help="More one-pass arms, each with programs of this many elements (multiples of the kernel's "
+        "BLOCK; the default arm uses masters.kernel.CHUNK).",
     )
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", help="Write the figures here.")
     opts = parser.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    from hf_lossscale.masters import kernel as master_kernel
     from hf_lossscale.masters.kernel import triton_available
+
+    bad = [c for c in opts.chunks if c <= 0 or c % master_kernel.BLOCK]
+    if bad:
+        parser.error(f"--chunks {bad}: each must be a positive multiple of {master_kernel.BLOCK}")
 
     if not torch.cuda.is_available() or not triton_available():
         print("master_kernel.py: needs CUDA and Triton (this machine has "
               f"{'no CUDA' if not torch.cuda.is_available() else 'no Triton'}); nothing measured.")  # fmt: skip
         return 0
-    shapes = [(opts.numel,)] if opts.shapes == "one" else GPT2_SHAPES
-    result = run(shapes, opts.steps, opts.repeats)
+    shapes = {"one": [(opts.numel,)], "gpt2": GPT2_SHAPES, "gpt2-no-decay": GPT2_NO_DECAY_SHAPES}[opts.shapes]
+    result = run(shapes, opts.steps, opts.repeats, tuple(opts.chunks))
+    result["programs_at"] = {
+        chunk: sum(-(-math.prod(s) // chunk) for s in shapes) for chunk in (master_kernel.CHUNK, *opts.chunks)
+    }
     peak = result["peak_gbs"]
     print(f"{result['device']}: {result['parameters']:,} parameters in {result['tensors']} tensors; "
           f"memory bandwidth {peak:.0f} GB/s" if peak else "")  # fmt: skip

@@ -77,8 +77,9 @@ def test_every_documented_import_path_imports(path):
     pytest.fail(f"{path} does not import")
 
 
-#: Modules that exist to integrate one optional library (the `trl` extra) and so import it.
-FOR_ONE_LIBRARY = {"trl_trainers", "grpo"}
+#: Modules that exist to integrate one optional library (the `trl` extra; Triton, for the masters' CUDA
+#: kernel) and so import it.
+FOR_ONE_LIBRARY = {"trl_trainers", "grpo", "triton_adam"}
 
 
 def _tier_modules(tier: str) -> list[str]:

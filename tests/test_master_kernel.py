@@ -434,3 +434,157 @@ def test_a_capture_without_kept_tables_steps_through_the_chunked_update(device, 
     _, masters_c, skipped_c, _ = _train_with_scaler(device, True, False)
     assert launches.grids == [] and skipped == skipped_c == 1
     assert all(torch.equal(a, b) for a, b in zip(masters, masters_c, strict=True))
+
+
+@needs_triton
+def test_vector_access_is_claimed_only_when_every_address_is_aligned(device):
+    """The kernel's ALIGNED flag (16-byte alignment hints, so the compiled kernel loads and stores in
+    vectors) is set only when each of the five block-read addresses of every tensor is 16-byte aligned;
+    an unaligned view still steps right. Catches: the flag taken from one column or one tensor (a
+    misaligned vector access on the GPU faults or reads the wrong bytes; the interpreter ignores hints,
+    so only this check sees it)."""
+    n = 3000
+    masters, keys, opt, g = _group(device, [(n,)])
+    group = opt.param_groups[0]
+    state = opt.state[keys[0]]
+    grad16 = (torch.randn(n, generator=g) * 100).half().to(device)
+    weight = masters[0].half()
+    slot = OnePassSlot(keys[0], grad16, None, masters[0], weight)
+    assert master_kernel._Tables.get(opt, [slot], [state])[3] is True
+    for column in ("grad", "master", "exp_avg", "exp_avg_sq", "weight"):
+        parts = {"grad": grad16, "master": masters[0], "weight": weight}
+        parts.update(exp_avg=state["exp_avg"], exp_avg_sq=state["exp_avg_sq"])
+        t = parts[column]
+        shifted = torch.empty(n + 1, dtype=t.dtype, device=device)[1:]  # one element off the allocation
+        shifted.copy_(t)
+        parts[column] = shifted
+        st = dict(state, exp_avg=parts["exp_avg"], exp_avg_sq=parts["exp_avg_sq"])
+        odd = OnePassSlot(keys[0], parts["grad"], None, parts["master"], parts["weight"])
+        assert master_kernel._Tables.get(opt, [slot, odd], [state, st])[3] is False, column
+    # the unaligned step is still torch's arithmetic
+    shifted = torch.empty(n + 1, device=device)[1:]
+    shifted.copy_(masters[0])
+    expected = _expected([shifted], opt, keys, [grad16], [None], None, float(state["step"]) + 1)
+    before = shifted.clone()
+    w = shifted.half()
+    assert run_one_pass(
+        opt, group, [OnePassSlot(keys[0], grad16, None, shifted, w)], lambda k: state, None, None
+    )
+    assert _ulp_errors(shifted, expected[0][0], before).max() <= 2 and torch.equal(w, shifted.half())
+
+
+@needs_triton
+def test_a_host_counter_with_a_device_flag_takes_the_chunked_update(device, monkeypatch):
+    """A group whose counters are mixed (one on the host, as after loading a for-loop optimizer's state)
+    stepped with a device `found_inf`: `run_one_pass` returns False with nothing moved. Catches: the
+    flag copied to the host to take the counter back (a sync per step), or subtracted from counters on
+    another device than its own (an error mid-step, after the kernel wrote)."""
+    masters, keys, opt, g = _group(device, [(300,), (40,)])
+    host = opt.state[keys[1]]["step"] = torch.tensor(4.0)  # on the host
+    if device == "cpu":  # (the interpreter's "device" is the host: that counter is told apart by name)
+        real = master_kernel._counter_on_device
+        monkeypatch.setattr(
+            master_kernel, "_counter_on_device", lambda step, m: step is not host and real(step, m)
+        )
+    weights = [m.half() for m in masters]
+    grads16 = [(torch.randn(m.shape, generator=g) * 100).half().to(device) for m in masters]
+    slots = [OnePassSlot(k, g16, None, m, w) for k, g16, m, w in zip(keys, grads16, masters, weights)]
+    before = [m.clone() for m in masters]
+    found_inf = torch.zeros((), device=device)
+    assert run_one_pass(opt, opt.param_groups[0], slots, lambda k: opt.state[k], None, found_inf) is False
+    assert all(torch.equal(a, b) for a, b in zip(before, masters))
+    assert [float(opt.state[k]["step"]) for k in keys] == [4.0, 4.0]
+    assert run_one_pass(opt, opt.param_groups[0], slots, lambda k: opt.state[k], None, None)  # no flag: runs
+
+
+@needs_triton
+def test_a_parameter_listed_twice_is_updated_once_in_the_launch(device, monkeypatch):
+    """A model held in FP16 whose optimizer lists a parameter twice (torch warns, and updates it once):
+    the kernel's launch holds it once, so no two programs race on its elements, and the training is the
+    chunked update's. Catches: the group's tensors handed to the kernel without the masters' dedup."""
+    from hf_lossscale import DynamicLossScaler, LossScaleConfig
+
+    launches = _Launches(monkeypatch)
+
+    def train():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 1)).half().to(device)
+        params = list(model.parameters())
+        with pytest.warns(UserWarning, match="duplicate"):
+            opt = torch.optim.AdamW(params + params[:1], lr=1e-3, fused=True)
+        scaler = DynamicLossScaler(config=LossScaleConfig(master_weights=True))
+        x = torch.randn(64, 16, generator=torch.Generator().manual_seed(1)).to(device)
+        for _ in range(3):
+            scaler.scale(model(x.half()).float().pow(2).mean()).backward()
+            scaler.step(opt)
+            scaler.update()
+            opt.zero_grad()
+        return [p.detach().clone() for p in model.parameters()], opt
+
+    kernel_weights, opt = train()
+    assert len(launches.grids) == 3
+    assert launches.grids[0][0] == sum(-(-p.numel() // master_kernel.CHUNK) for p in kernel_weights)
+    assert all(float(s["step"]) == 3 for s in opt.state.values())
+    import hf_lossscale.masters.optimizer as mw
+
+    monkeypatch.setenv("TRITON_INTERPRET", "0") if device == "cpu" else None
+    monkeypatch.setattr(mw, "one_pass_reason", lambda *a: "forced off")
+    chunked_weights, _ = train()
+    for a, b in zip(kernel_weights, chunked_weights, strict=True):
+        assert (a != b).float().mean() <= 0.01
+
+
+def _compiled_for_hopper(aligned: bool, has_inf: bool) -> str:
+    """The kernel's PTX for sm_90, compiled here without a GPU (Triton bundles ptxas), its pointer
+    arguments 16-byte aligned as Triton's launcher specialises torch's allocations."""
+    import importlib.util
+
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource, compile
+
+    import hf_lossscale.masters.triton_adam as source
+
+    # a copy of the module decorated outside the interpreter (other tests here import it inside)
+    spec = importlib.util.spec_from_file_location("triton_adam_compiled", source.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    fn = module.master_adam
+    flags = dict(HAS_FACTOR=True, HAS_SCALE=True, HAS_INF=has_inf, HAS_WD=True, DECOUPLED=True, ALIGNED=aligned,
+                 COLUMNS=master_kernel._COLUMNS, CHUNK=master_kernel.CHUNK, BLOCK=master_kernel.BLOCK)  # fmt: skip
+    pointers = {"table_ptr": "*i64", "programs_ptr": "*i64"}
+    signature = {
+        name: "constexpr"
+        if name in flags
+        else pointers.get(name, "*fp32" if name.endswith("_ptr") else "fp32")
+        for name in fn.arg_names
+    }
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name.endswith("_ptr")}
+    return compile(
+        ASTSource(fn, signature, flags, attrs),
+        target=GPUTarget("cuda", 90, 32),
+        options={"enable_fp_fusion": True},
+    ).asm["ptx"]
+
+
+@needs_triton
+@pytest.mark.parametrize("has_inf", [True, False], ids=["found_inf", "no-flag"])
+def test_the_compiled_kernel_moves_full_blocks_in_16_byte_vectors(has_inf, monkeypatch):
+    """Compiled for an H100 (no GPU needed): with aligned addresses each thread's full-block loads and
+    stores are 16-byte vectors (per element 2+4+4+4 bytes read, 4+4+4+2 written, in 7 + 7 accesses of
+    128 bits), with or without the skip flag; unaligned, none are. Catches: a mask on the full blocks
+    (the skip folded into it, as before), alignment hints lost (pointers loaded from the table carry
+    none), either of which halves to quarters the width of every access."""
+    import re
+    from collections import Counter
+
+    from triton.backends import backends
+
+    if "nvidia" not in backends:
+        pytest.skip("this Triton has no NVIDIA backend")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    ptx = _compiled_for_hopper(True, has_inf)
+    per_thread = master_kernel.BLOCK // (32 * 4)  # elements per thread in a block (4 warps)
+    vectors = per_thread * 4 // 16 * 3 + per_thread * 2 // 16  # three FP32 tensors and one FP16
+    accesses = Counter(re.findall(r"(ld|st)\.global\.v4\.b32", ptx))
+    assert accesses == {"ld": vectors, "st": vectors}, accesses
+    assert not re.findall(r"(ld|st)\.global\.v\d", _compiled_for_hopper(False, has_inf))

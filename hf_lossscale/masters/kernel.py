@@ -142,10 +142,10 @@ class _Tables:
     @classmethod
     def get(
         cls, optimizer: torch.optim.Optimizer, slots: list[OnePassSlot], states: list[dict]
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(tensor table, program table, programs) for `slots`, kept or made. Addresses and lengths
-        are all a table holds: a new tensor at a kept address with the same length is the same to the
-        kernel."""
+    ) -> tuple[torch.Tensor, torch.Tensor, int, bool]:
+        """(tensor table, program table, programs, aligned) for `slots`, kept or made; aligned: every
+        address the kernel reads or writes in blocks is 16-byte aligned. Addresses and lengths are all a
+        table holds: a new tensor at a kept address with the same length is the same to the kernel."""
         device = slots[0].master.device
         kept = cls._of.setdefault(optimizer, {})
         ones = kept.get(("ones", device))
@@ -165,6 +165,7 @@ class _Tables:
             _to_device([v for row in rows for v in row], torch.int64, device),
             _to_device([v for p in programs for v in p], torch.int64, device),
             len(programs),
+            all(row[c] % 16 == 0 for row in rows for c in (0, 2, 3, 4, 5)),
         )
         tables = [k for k in kept if k[0] != "ones"]
         if len(tables) >= _KEPT:
@@ -175,71 +176,9 @@ class _Tables:
 
 @functools.cache
 def _kernel() -> Any:
-    import triton
-    import triton.language as tl
+    from . import triton_adam  # Triton is imported only where the kernel runs
 
-    @triton.jit
-    def master_adam(
-        table_ptr, programs_ptr, scale_ptr, inf_ptr, corrections_ptr,
-        lr_hi, lr_lo, beta1_hi, beta1_lo, beta2_hi, beta2_lo, eps_hi, eps_lo, wd_hi, wd_lo,
-        HAS_FACTOR: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, HAS_WD: tl.constexpr,
-        DECOUPLED: tl.constexpr, COLUMNS: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-    ):  # fmt: skip
-        # torch's fused CUDA Adam (`adam_math` in fused_adam_utils.cuh), in its order and precisions:
-        # hyperparameters are doubles (here to 48 bits: two floats), the bias corrections and the values
-        # FP32 ("opmath"), so each expression that mixes a hyperparameter in is computed in double and
-        # rounded to FP32 where torch stores it.
-        program = tl.program_id(0)
-        t = tl.load(programs_ptr + 2 * program)
-        first = tl.load(programs_ptr + 2 * program + 1)
-        row = table_ptr + COLUMNS * t
-        grad_ptr = tl.load(row).to(tl.pointer_type(tl.float16))
-        factor_ptr = tl.load(row + 1).to(tl.pointer_type(tl.float32))
-        master_ptr = tl.load(row + 2).to(tl.pointer_type(tl.float32))
-        exp_avg_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
-        exp_avg_sq_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
-        weight_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float16))
-        n = tl.load(row + 6)
-        last = tl.minimum(first + CHUNK, n)
-        # doubles, each passed as two floats (kernel float arguments are FP32)
-        lr = tl.cast(lr_hi, tl.float64) + tl.cast(lr_lo, tl.float64)
-        wd = tl.cast(wd_hi, tl.float64) + tl.cast(wd_lo, tl.float64)
-        beta1 = tl.cast(beta1_hi, tl.float64) + tl.cast(beta1_lo, tl.float64)
-        beta2 = tl.cast(beta2_hi, tl.float64) + tl.cast(beta2_lo, tl.float64)
-        eps = tl.cast(eps_hi, tl.float64) + tl.cast(eps_lo, tl.float64)
-        # (lr / bias correction 1, sqrt(bias correction 2)), FP32, per tensor
-        step_size = tl.load(corrections_ptr + 2 * t)
-        bc2_sqrt = tl.load(corrections_ptr + 2 * t + 1)
-        for start in range(first, last, BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            mask = offs < last
-            if HAS_INF:  # a skipped step writes nothing
-                mask = mask & (tl.load(inf_ptr + offs * 0) == 0)  # the flag, read by every lane
-            grad = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-            if HAS_FACTOR:  # the unscale (and clip) factor, as the chunked path casts: FP32 (1: none)
-                grad = grad * tl.load(factor_ptr + offs * 0)
-            if HAS_SCALE:  # a fused optimizer's grad_scale: grad /= (double)*grad_scale
-                grad = (grad.to(tl.float64) / tl.load(scale_ptr + offs * 0).to(tl.float64)).to(tl.float32)
-            param = tl.load(master_ptr + offs, mask=mask, other=0.0)
-            exp_avg = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
-            exp_avg_sq = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
-            if HAS_WD:
-                if DECOUPLED:
-                    param = (param.to(tl.float64) - lr * wd * param.to(tl.float64)).to(tl.float32)
-                else:
-                    grad = (grad.to(tl.float64) + param.to(tl.float64) * wd).to(tl.float32)
-            g64 = grad.to(tl.float64)
-            exp_avg = (beta1 * exp_avg.to(tl.float64) + (1 - beta1) * g64).to(tl.float32)
-            exp_avg_sq = (beta2 * exp_avg_sq.to(tl.float64) + (1 - beta2) * g64 * g64).to(tl.float32)
-            # sqrt(v) / sqrt(bias correction 2) in FP32, then + eps in double
-            denom = (tl.div_rn(tl.sqrt_rn(exp_avg_sq), bc2_sqrt).to(tl.float64) + eps).to(tl.float32)
-            param = param - tl.div_rn(step_size * exp_avg, denom)  # IEEE division, as CUDA's `/`
-            tl.store(master_ptr + offs, param, mask=mask)
-            tl.store(exp_avg_ptr + offs, exp_avg, mask=mask)
-            tl.store(exp_avg_sq_ptr + offs, exp_avg_sq, mask=mask)
-            tl.store(weight_ptr + offs, param.to(tl.float16), mask=mask)
-
-    return master_adam
+    return triton_adam.master_adam
 
 
 def _corrections(
@@ -294,7 +233,11 @@ def run_one_pass(
     states = [state_of(s.key) for s in slots]
     steps = [st["step"] for st in states]
     on_device = [_counter_on_device(step, slot.master) for slot, step in zip(slots, steps, strict=True)]
-    table, programs, count = _Tables.get(optimizer, slots, states)
+    if found_inf is not None and not all(on_device):
+        return False  # a counter on the host cannot take a device flag back without a sync: torch's path
+    if CHUNK % BLOCK:
+        raise ValueError(f"masters.kernel: CHUNK ({CHUNK}) must be a multiple of BLOCK ({BLOCK})")
+    table, programs, count, aligned = _Tables.get(optimizer, slots, states)
     beta1, beta2 = group["betas"]
     lr, eps, wd = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
     decoupled = group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW)
@@ -310,9 +253,10 @@ def run_one_pass(
                 corrections,
                 *_split(lr), *_split(beta1), *_split(beta2), *_split(eps), *_split(wd),
                 HAS_FACTOR=any(s.factor is not None for s in slots), HAS_SCALE=grad_scale is not None,
-                HAS_INF=found_inf is not None, HAS_WD=wd != 0, DECOUPLED=decoupled, COLUMNS=_COLUMNS,
-                CHUNK=CHUNK, BLOCK=BLOCK,
+                HAS_INF=found_inf is not None, HAS_WD=wd != 0, DECOUPLED=decoupled, ALIGNED=aligned,
+                COLUMNS=_COLUMNS, CHUNK=CHUNK, BLOCK=BLOCK,
+                enable_fp_fusion=True,  # nvcc's default (--fmad=true), as torch's fused kernel is built
             )  # fmt: skip
         if found_inf is not None:
-            torch._foreach_sub_(steps, [found_inf.to(steps[0].device)] * len(steps))
+            torch._foreach_sub_(steps, [found_inf.to(device)] * len(steps))
     return True
