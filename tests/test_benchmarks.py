@@ -435,3 +435,24 @@ def test_master_step_ratio_times_both_sides_on_the_same_gradients(tmp_path):
     for r in rows:
         assert r["skipped"] == 0 and r["parameters"] == 2 * 64 * 64
         assert r["ratio"] == pytest.approx(r["masters_ms"] / r["fp32_ms"], rel=0.5)  # masters over FP32
+
+
+@pytest.mark.parametrize("optimizer", ["adamw_fused", "sgd"])
+def test_master_step_ratio_gives_every_repeat_the_same_gradients(optimizer):
+    """Each timed step of either side starts from the benchmark's gradients as they were: the scaler's
+    unscale (SGD) or a fused optimizer's `grad_scale` (fused AdamW) writes the FP32 side's `.grad` in
+    place. Bug caught (it was there): the FP32 side stepping on the shared gradient tensor itself, which
+    shrank by the scale every step into FP32 subnormals, slowing the baseline several-fold on some
+    repeats and making the ratio look better than it is."""
+    import torch
+
+    bench = load("master_step_ratio")
+    gen = torch.Generator().manual_seed(0)
+    for dtype in (torch.float32, torch.float16):
+        side = bench._side(dtype, 16, 2, optimizer)
+        grads = [torch.randn(p.shape, generator=gen) * 2.0**-4 for p in side[0]]
+        before = [g.clone() for g in grads]
+        for _ in range(3):
+            bench._timed_step(*side, grads)
+        assert side[2].stats()["skipped_steps"] == 0
+        assert all(torch.equal(g, b) for g, b in zip(grads, before, strict=True)), dtype
