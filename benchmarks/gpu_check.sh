@@ -14,7 +14,8 @@
 # boxes add up to 600 s at most (GPU_CHECK_STEPS picks steps for a rerun); measured runs are shorter.
 # Steps 8, 9, 10 and 11 run only when asked for (GPU_CHECK_STEPS="1 8": 80 + 430 s; "9": 215 s; "10":
 # 200 s: the memory floor of issue 49, memory_floor_cuda.json and .md; "11": 150 s, the one-pass
-# master kernel's tests (its PTX's 16-byte vector accesses among them) and master_kernel_cuda.json,
+# master kernel's tests (its PTX's 16-byte vector accesses among them) and master_kernel_cuda.json (with
+# a 4-warp arm beside the default 8),
 # master_kernel_gpt2_cuda.json (one launch per group, in GB/s against the bandwidth, beside torch's fused
 # AdamW on FP32 weights and, where installed, Transformer Engine's FusedAdam), master_kernel_2m_cuda.json
 # (program sizes for a group of one 2M tensor) and master_kernel_nodecay_cuda.json (GPT-2's no-decay
@@ -172,7 +173,7 @@ if [ "$CUDA" = 1 ]; then
   # AdamW on FP32 weights, one 64M tensor and GPT-2's tensor list; then the program size for a group of
   # one 2M tensor (32 programs at the default 64Ki) and GPT-2's no-decay group (96 small tensors)
   step "11. one-pass master kernel on CUDA" 150 bash -c '"$0" -m pytest -q tests/test_master_kernel.py -p no:cacheprovider \
-    && "$0" benchmarks/master_kernel.py --json "$1/master_kernel_cuda.json" \
+    && "$0" benchmarks/master_kernel.py --warps 4 --json "$1/master_kernel_cuda.json" \
     && "$0" benchmarks/master_kernel.py --shapes gpt2 --json "$1/master_kernel_gpt2_cuda.json" \
     && "$0" benchmarks/master_kernel.py --numel 2097152 --chunks 8192 16384 --json "$1/master_kernel_2m_cuda.json" \
     && "$0" benchmarks/master_kernel.py --shapes gpt2-no-decay --json "$1/master_kernel_nodecay_cuda.json"' "$PY" "$OUT"

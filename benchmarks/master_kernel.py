@@ -23,13 +23,15 @@ properties (bus width x memory clock x 2). Noise: each figure is the median of `
 blocks of `--steps` steps; the spread (min-max over blocks) is printed next to it.
 
     python benchmarks/master_kernel.py [--numel 67108864] [--shapes gpt2|gpt2-no-decay] [--chunks 16384 ...]
-        [--json out.json]
+        [--warps 4 ...] [--json out.json]
 
 `--chunks` adds one-pass arms with other program sizes: a program never spans two tensors, so the size
 matters for a group of few large tensors (one of 2M elements gets 32 programs at the default 64Ki, for
 an H100's 132 SMs: `--numel 2097152 --chunks 8192 16384`); `programs_at` in the JSON gives each size's
-program count. `--shapes gpt2-no-decay` is the Trainer's other group for GPT-2: 96 tensors of at most
-3,072 elements, one program each, where a launch's fixed cost is the most of its time.
+program count. `--warps 4` adds an arm with programs of 4 warps instead of `NUM_WARPS` (8).
+`--shapes gpt2-no-decay` is the Trainer's other group for GPT-2, stepped with weight_decay=0: 98
+tensors of at most 3,072 elements, one program each, where a launch's fixed cost is the most of its
+time.
 
 Needs CUDA and Triton (torch's CUDA wheels ship it); elsewhere it says so and exits 0 without a file.
 """
@@ -46,7 +48,8 @@ import sys
 import torch
 
 GPT2_SHAPES = [(50257, 768), (1024, 768)] + [(768, 2304), (2304,), (768, 768), (768,), (768,), (768,),
-                                             (768, 3072), (3072,), (3072, 768), (768,), (768,), (768,)] * 12  # fmt: skip
+                                             (768, 3072), (3072,), (3072, 768), (768,), (768,), (768,)] * 12 + [
+    (768,), (768,)]  # the final LayerNorm  # fmt: skip
 #: The Trainer's no-decay group of GPT-2 (biases and LayerNorm weights, 1-D): a group of small tensors.
 GPT2_NO_DECAY_SHAPES = [s for s in GPT2_SHAPES if len(s) == 1]
 
@@ -74,7 +77,7 @@ def _time(fn, steps: int, repeats: int) -> tuple[float, float, float]:
     return statistics.median(times), min(times), max(times)
 
 
-def _transformer_engine_arm(masters: list[torch.Tensor], grads16: list[torch.Tensor]):
+def _transformer_engine_arm(masters: list[torch.Tensor], grads16: list[torch.Tensor], weight_decay: float):
     """Transformer Engine's FusedAdam with FP32 master weights on FP16 copies of the weights, or None
     where it does not import."""
     try:
@@ -84,11 +87,18 @@ def _transformer_engine_arm(masters: list[torch.Tensor], grads16: list[torch.Ten
     halves = [torch.nn.Parameter(m.half()) for m in masters]
     for p, g in zip(halves, grads16, strict=True):
         p.grad = g
-    opt = FusedAdam(halves, lr=1e-4, weight_decay=0.01, master_weights=True)
+    opt = FusedAdam(halves, lr=1e-4, weight_decay=weight_decay, master_weights=True)
     return opt.step
 
 
-def run(shapes: list[tuple[int, ...]], steps: int, repeats: int, chunks: tuple[int, ...] = ()) -> dict:
+def run(
+    shapes: list[tuple[int, ...]],
+    steps: int,
+    repeats: int,
+    chunks: tuple[int, ...] = (),
+    warps: tuple[int, ...] = (),
+    weight_decay: float = 0.01,
+) -> dict:
     from hf_lossscale.masters import kernel as master_kernel
     from hf_lossscale.masters.kernel import OnePassSlot, run_one_pass
     from hf_lossscale.masters.step import Slot, adam_state, run_chunked
@@ -100,20 +110,21 @@ def run(shapes: list[tuple[int, ...]], steps: int, repeats: int, chunks: tuple[i
     factor = torch.tensor(2.0**-16, device=dev)
     scale, found_inf = torch.tensor(1.0, device=dev), torch.zeros((), device=dev)
     keys = [torch.nn.Parameter(m) for m in masters]
-    opt = torch.optim.AdamW(keys, lr=1e-4, weight_decay=0.01, fused=True)
+    opt = torch.optim.AdamW(keys, lr=1e-4, weight_decay=weight_decay, fused=True)
     group = opt.param_groups[0]
     slots = [OnePassSlot(k, g, factor, k.data, h) for k, g, h in zip(keys, grads16, halves, strict=True)]
 
     def one_pass():
         assert run_one_pass(opt, group, slots, lambda key: adam_state(opt, group, key), scale, found_inf)
 
-    def one_pass_at(chunk):  # the kernel with programs of `chunk` elements (the module's CHUNK back after)
+    def one_pass_at(name, value):  # the kernel with the module's CHUNK or NUM_WARPS set (given back after)
         def step():
-            default, master_kernel.CHUNK = master_kernel.CHUNK, chunk
+            default = getattr(master_kernel, name)
+            setattr(master_kernel, name, value)
             try:
                 one_pass()
             finally:
-                master_kernel.CHUNK = default
+                setattr(master_kernel, name, default)
 
         return step
 
@@ -130,13 +141,15 @@ def run(shapes: list[tuple[int, ...]], steps: int, repeats: int, chunks: tuple[i
     fp32 = [torch.nn.Parameter(m.clone()) for m in masters]
     for p, g in zip(fp32, grads16, strict=True):
         p.grad = g.float()
-    fp32_opt = torch.optim.AdamW(fp32, lr=1e-4, weight_decay=0.01, fused=True)
+    fp32_opt = torch.optim.AdamW(fp32, lr=1e-4, weight_decay=weight_decay, fused=True)
     fp32_opt.grad_scale, fp32_opt.found_inf = scale, found_inf
     n = sum(m.numel() for m in masters)
     arms = {"one-pass": (one_pass, 28), "chunked": (chunked, 38), "fp32 fused": (fp32_opt.step, 32)}
     for chunk in chunks:
-        arms[f"one-pass chunk={chunk}"] = (one_pass_at(chunk), 28)
-    te_step = _transformer_engine_arm(masters, grads16)
+        arms[f"one-pass chunk={chunk}"] = (one_pass_at("CHUNK", chunk), 28)
+    for w in warps:
+        arms[f"one-pass warps={w}"] = (one_pass_at("NUM_WARPS", w), 28)
+    te_step = _transformer_engine_arm(masters, grads16, weight_decay)
     if te_step is not None:
         arms["te FusedAdam"] = (te_step, 28)
     out = {"parameters": n, "tensors": len(shapes), "device": torch.cuda.get_device_name(0), "peak_gbs": _peak_gbs(),
@@ -170,6 +183,13 @@ def main(argv: list[str] | None = None) -> int:
         help="More one-pass arms, each with programs of this many elements (multiples of the kernel's "
         "BLOCK; the default arm uses masters.kernel.CHUNK).",
     )
+    parser.add_argument(
+        "--warps",
+        type=int,
+        nargs="*",
+        default=(),
+        help="More one-pass arms, each with programs of this many warps (the default arm: NUM_WARPS).",
+    )
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--json", help="Write the figures here.")
@@ -181,13 +201,19 @@ def main(argv: list[str] | None = None) -> int:
     bad = [c for c in opts.chunks if c <= 0 or c % master_kernel.BLOCK]
     if bad:
         parser.error(f"--chunks {bad}: each must be a positive multiple of {master_kernel.BLOCK}")
+    bad = [w for w in opts.warps if w not in (1, 2, 4, 8, 16, 32)]
+    if bad:
+        parser.error(f"--warps {bad}: each must be a power of two from 1 to 32")
 
     if not torch.cuda.is_available() or not triton_available():
         print("master_kernel.py: needs CUDA and Triton (this machine has "
               f"{'no CUDA' if not torch.cuda.is_available() else 'no Triton'}); nothing measured.")  # fmt: skip
         return 0
     shapes = {"one": [(opts.numel,)], "gpt2": GPT2_SHAPES, "gpt2-no-decay": GPT2_NO_DECAY_SHAPES}[opts.shapes]
-    result = run(shapes, opts.steps, opts.repeats, tuple(opts.chunks))
+    # the no-decay group is the Trainer's weight_decay=0 group: the kernel's path without decay
+    decay = 0.0 if opts.shapes == "gpt2-no-decay" else 0.01
+    result = run(shapes, opts.steps, opts.repeats, tuple(opts.chunks), tuple(opts.warps), decay)
+    result["weight_decay"] = decay
     result["programs_at"] = {
         chunk: sum(-(-math.prod(s) // chunk) for s in shapes) for chunk in (master_kernel.CHUNK, *opts.chunks)
     }

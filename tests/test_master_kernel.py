@@ -260,7 +260,7 @@ class _Launches:
     """Counts the kernel's launches (each `kernel[grid](...)`) and the programs of each."""
 
     def __init__(self, monkeypatch):
-        self.grids = []
+        self.grids, self.args, self.kwargs = [], [], []
         real = master_kernel._kernel
 
         def counting():
@@ -270,7 +270,13 @@ class _Launches:
             class Counted:
                 def __getitem__(self, grid):
                     launches.grids.append(grid)
-                    return kernel[grid]
+
+                    def launch(*args, **kwargs):
+                        launches.args.append(args)
+                        launches.kwargs.append(kwargs)
+                        return kernel[grid](*args, **kwargs)
+
+                    return launch
 
             return Counted()
 
@@ -437,40 +443,45 @@ def test_a_capture_without_kept_tables_steps_through_the_chunked_update(device, 
 
 
 @needs_triton
-def test_vector_access_is_claimed_only_when_every_address_is_aligned(device):
-    """The kernel's ALIGNED flag (16-byte alignment hints, so the compiled kernel loads and stores in
-    vectors) is set only when each of the five block-read addresses of every tensor is 16-byte aligned;
-    an unaligned view still steps right. Catches: the flag taken from one column or one tensor (a
-    misaligned vector access on the GPU faults or reads the wrong bytes; the interpreter ignores hints,
-    so only this check sees it)."""
+def test_vector_access_is_claimed_only_for_tensors_whose_addresses_are_aligned(device, monkeypatch):
+    """A tensor goes to the launch that tells the compiler its addresses are 16-byte aligned (so the
+    compiled kernel moves whole blocks in vectors) only when each of its five block-read addresses is;
+    a group mixing both is two launches, and the unaligned tensors still step right. Catches: the
+    claim taken from one address or from another tensor, or made for a whole group with an unaligned
+    tensor in it (a misaligned vector access on the GPU faults or reads the wrong bytes; the interpreter
+    ignores the hints, so only this check sees it)."""
     n = 3000
-    masters, keys, opt, g = _group(device, [(n,)])
+    masters, keys, opt, g = _group(device, [(n,), (n,)])
     group = opt.param_groups[0]
-    state = opt.state[keys[0]]
-    grad16 = (torch.randn(n, generator=g) * 100).half().to(device)
-    weight = masters[0].half()
-    slot = OnePassSlot(keys[0], grad16, None, masters[0], weight)
-    assert master_kernel._Tables.get(opt, [slot], [state])[3] is True
+    grads16 = [(torch.randn(n, generator=g) * 100).half().to(device) for _ in keys]
+    weights = [m.half() for m in masters]
     for column in ("grad", "master", "exp_avg", "exp_avg_sq", "weight"):
-        parts = {"grad": grad16, "master": masters[0], "weight": weight}
+        state = opt.state[keys[1]]
+        parts = {"grad": grads16[1], "master": masters[1], "weight": weights[1]}
         parts.update(exp_avg=state["exp_avg"], exp_avg_sq=state["exp_avg_sq"])
-        t = parts[column]
-        shifted = torch.empty(n + 1, dtype=t.dtype, device=device)[1:]  # one element off the allocation
-        shifted.copy_(t)
+        shifted = torch.empty(n + 1, dtype=parts[column].dtype, device=device)[1:]  # one element off
+        shifted.copy_(parts[column])
         parts[column] = shifted
         st = dict(state, exp_avg=parts["exp_avg"], exp_avg_sq=parts["exp_avg_sq"])
-        odd = OnePassSlot(keys[0], parts["grad"], None, parts["master"], parts["weight"])
-        assert master_kernel._Tables.get(opt, [slot, odd], [state, st])[3] is False, column
-    # the unaligned step is still torch's arithmetic
+        odd = OnePassSlot(keys[1], parts["grad"], None, parts["master"], parts["weight"])
+        assert master_kernel._aligned(odd, st) is False, column
+        even = OnePassSlot(keys[0], grads16[0], None, masters[0], weights[0])
+        assert master_kernel._aligned(even, opt.state[keys[0]]) is True
+    # a group of an aligned and an unaligned tensor: two launches, each told what holds for its tensors
+    launches = _Launches(monkeypatch)
     shifted = torch.empty(n + 1, device=device)[1:]
-    shifted.copy_(masters[0])
-    expected = _expected([shifted], opt, keys, [grad16], [None], None, float(state["step"]) + 1)
-    before = shifted.clone()
-    w = shifted.half()
-    assert run_one_pass(
-        opt, group, [OnePassSlot(keys[0], grad16, None, shifted, w)], lambda k: state, None, None
-    )
-    assert _ulp_errors(shifted, expected[0][0], before).max() <= 2 and torch.equal(w, shifted.half())
+    shifted.copy_(masters[1])
+    group_masters = [masters[0], shifted]
+    expected = _expected(group_masters, opt, keys, grads16, [None, None], None, 5.0)
+    before = [m.clone() for m in group_masters]
+    ws = [m.half() for m in group_masters]
+    slots = [OnePassSlot(k, g16, None, m, w) for k, g16, m, w in zip(keys, grads16, group_masters, ws)]
+    assert run_one_pass(opt, group, slots, lambda k: opt.state[k], None, None)
+    assert [kw["ALIGNED"] for kw in launches.kwargs] == [True, False]
+    assert launches.grids == [(1,), (1,)]
+    for m, w, (param, _, _), b in zip(group_masters, ws, expected, before, strict=True):
+        assert _ulp_errors(m, param, b).max() <= 2 and torch.equal(w, m.half())
+    assert [float(opt.state[k]["step"]) for k in keys] == [5.0, 5.0]  # each counter moved once
 
 
 @needs_triton
@@ -499,8 +510,8 @@ def test_a_host_counter_with_a_device_flag_takes_the_chunked_update(device, monk
 
 @needs_triton
 def test_a_parameter_listed_twice_is_updated_once_in_the_launch(device, monkeypatch):
-    """A model held in FP16 whose optimizer lists a parameter twice (torch warns, and updates it once):
-    the kernel's launch holds it once, so no two programs race on its elements, and the training is the
+    """A model held in FP16 whose optimizer lists a parameter twice (torch warns that this will become an
+    error, and meanwhile steps it twice; the masters update it once): the kernel's launch holds it once, so no two programs race on its elements, and the training is the
     chunked update's. Catches: the group's tensors handed to the kernel without the masters' dedup."""
     from hf_lossscale import DynamicLossScaler, LossScaleConfig
 
@@ -534,6 +545,22 @@ def test_a_parameter_listed_twice_is_updated_once_in_the_launch(device, monkeypa
         assert (a != b).float().mean() <= 0.01
 
 
+@needs_triton
+def test_moments_the_kernel_cannot_read_flat_take_the_chunked_update(device):
+    """A moment that is not a contiguous FP32 tensor of its master's shape (a state loaded from elsewhere,
+    transposed): `run_one_pass` returns False with nothing moved. Catches: the kernel reading a
+    transposed moment flat (every element paired with another's moment)."""
+    masters, keys, opt, g = _group(device, [(16, 8)])
+    st = opt.state[keys[0]]
+    st["exp_avg"] = st["exp_avg"].t().contiguous().t()  # the same values, column-major
+    weights = [m.half() for m in masters]
+    grads16 = [(torch.randn(m.shape, generator=g) * 100).half().to(device) for m in masters]
+    slots = [OnePassSlot(keys[0], grads16[0], None, masters[0], weights[0])]
+    before = masters[0].clone()
+    assert run_one_pass(opt, opt.param_groups[0], slots, lambda k: opt.state[k], None, None) is False
+    assert torch.equal(before, masters[0]) and float(st["step"]) == 4.0
+
+
 def _compiled_for_hopper(aligned: bool, has_inf: bool) -> str:
     """The kernel's PTX for sm_90, compiled here without a GPU (Triton bundles ptxas), its pointer
     arguments 16-byte aligned as Triton's launcher specialises torch's allocations."""
@@ -559,32 +586,33 @@ def _compiled_for_hopper(aligned: bool, has_inf: bool) -> str:
         for name in fn.arg_names
     }
     attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names) if name.endswith("_ptr")}
+    options = {"enable_fp_fusion": True, "num_warps": master_kernel.NUM_WARPS}
     return compile(
-        ASTSource(fn, signature, flags, attrs),
-        target=GPUTarget("cuda", 90, 32),
-        options={"enable_fp_fusion": True},
+        ASTSource(fn, signature, flags, attrs), target=GPUTarget("cuda", 90, 32), options=options
     ).asm["ptx"]
 
 
 @needs_triton
 @pytest.mark.parametrize("has_inf", [True, False], ids=["found_inf", "no-flag"])
-def test_the_compiled_kernel_moves_full_blocks_in_16_byte_vectors(has_inf, monkeypatch):
-    """Compiled for an H100 (no GPU needed): with aligned addresses each thread's full-block loads and
-    stores are 16-byte vectors (per element 2+4+4+4 bytes read, 4+4+4+2 written, in 7 + 7 accesses of
-    128 bits), with or without the skip flag; unaligned, none are. Catches: a mask on the full blocks
-    (the skip folded into it, as before), alignment hints lost (pointers loaded from the table carry
-    none), either of which halves to quarters the width of every access."""
+def test_the_compiled_kernel_moves_aligned_full_blocks_in_vectors(has_inf, monkeypatch):
+    """Compiled for an H100 (no GPU needed): with the aligned launch's hints the full blocks load and
+    store in vectors, every byte a thread moves there (2 + 4 + 4 + 4 read and 4 + 4 + 4 + 2 written per
+    element) in one vector access per tensor, with or without the skip flag; the unaligned launch has
+    no vector access at all. Catches: a mask on the full blocks (the skip folded into it, as before),
+    the alignment hints lost (pointers loaded from the table carry none), either of which makes every
+    access of the hot loop 2 or 4 bytes wide; hints leaking into the unaligned launch (a run-time branch
+    on alignment does that: `multiple_of` marks the value, not the branch's use of it)."""
     import re
-    from collections import Counter
 
     from triton.backends import backends
 
     if "nvidia" not in backends:
         pytest.skip("this Triton has no NVIDIA backend")
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    ptx = _compiled_for_hopper(True, has_inf)
-    per_thread = master_kernel.BLOCK // (32 * 4)  # elements per thread in a block (4 warps)
-    vectors = per_thread * 4 // 16 * 3 + per_thread * 2 // 16  # three FP32 tensors and one FP16
-    accesses = Counter(re.findall(r"(ld|st)\.global\.v4\.b32", ptx))
-    assert accesses == {"ld": vectors, "st": vectors}, accesses
+    per_thread = master_kernel.BLOCK // (32 * master_kernel.NUM_WARPS)  # elements per thread and block
+    vectors = re.findall(r"(ld|st)\.global\.v(\d)\.b(\d+)", _compiled_for_hopper(True, has_inf))
+    moved = {
+        op: sum(int(lanes) * int(bits) // 8 for o, lanes, bits in vectors if o == op) for op in ("ld", "st")
+    }
+    assert moved == {"ld": per_thread * 14, "st": per_thread * 14} and len(vectors) == 8, vectors
     assert not re.findall(r"(ld|st)\.global\.v\d", _compiled_for_hopper(False, has_inf))

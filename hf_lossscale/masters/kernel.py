@@ -8,7 +8,8 @@ FP16 weight. A step whose `found_inf` is set writes nothing. Everything it reads
 factor, `grad_scale`, `found_inf`, the step counter of a fused or capturable group), so it adds no
 host sync.
 
-One launch covers the group: a table on the device holds each tensor's addresses and length, another
+One launch covers the group (two when it mixes tensors whose addresses are 16-byte aligned with others:
+the aligned launch tells the compiler, which then moves whole blocks in 128-bit vectors): a table on the device holds each tensor's addresses and length, another
 each program's (tensor, first element) pair, `CHUNK` elements per program (what Apex's
 `multi_tensor_apply` hands a CUDA block). The tables are made on the host and copied once (pinned,
 without waiting); a step over the same tensors (the same addresses: the masters, moments and weights
@@ -43,6 +44,10 @@ __all__ = ["OnePassSlot", "one_pass_reason", "run_one_pass", "triton_available"]
 #: Elements per loop iteration of a program, and per program (a program loops over its chunk).
 BLOCK = 1024
 CHUNK = 1 << 16
+#: Warps per program (4 warps put 8 elements in a thread, so its 16-byte FP16 load and 16-byte FP32
+#: stores need different layouts, converted through shared memory every block, and 142 registers; 8
+#: warps: 4 elements, no conversion in the loop, 80 registers, from the sm_90a build).
+NUM_WARPS = 8
 #: The columns of the tensor table: each tensor's addresses (the FP16 gradient, its FP32 factor, the
 #: FP32 master, both moments, the FP16 weight) and its length.
 _COLUMNS = 7
@@ -103,6 +108,14 @@ def one_pass_reason(optimizer: torch.optim.Optimizer, group: dict, slots: list[O
     return None
 
 
+def _aligned(slot: OnePassSlot, state: dict) -> bool:
+    """Whether every address the kernel moves in blocks is 16-byte aligned: then its launch tells the
+    compiler so, and whole blocks load and store in vectors (blocks start at multiples of BLOCK
+    elements, so the first element's alignment is every block's)."""
+    tensors = (slot.grad, slot.master, state["exp_avg"], state["exp_avg_sq"], slot.weight)
+    return all(t.data_ptr() % 16 == 0 for t in tensors)
+
+
 def _counter_on_device(step: torch.Tensor, master: torch.Tensor) -> bool:
     """Whether a step counter lives beside its master (fused or capturable groups), not on the host."""
     return step.device == master.device
@@ -142,10 +155,10 @@ class _Tables:
     @classmethod
     def get(
         cls, optimizer: torch.optim.Optimizer, slots: list[OnePassSlot], states: list[dict]
-    ) -> tuple[torch.Tensor, torch.Tensor, int, bool]:
-        """(tensor table, program table, programs, aligned) for `slots`, kept or made; aligned: every
-        address the kernel reads or writes in blocks is 16-byte aligned. Addresses and lengths are all a
-        table holds: a new tensor at a kept address with the same length is the same to the kernel."""
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """(tensor table, program table, programs) for `slots`, kept or made. Addresses and lengths are
+        all a table holds (its alignment column follows from the addresses): a new tensor at a kept
+        address with the same length is the same to the kernel."""
         device = slots[0].master.device
         kept = cls._of.setdefault(optimizer, {})
         ones = kept.get(("ones", device))
@@ -165,7 +178,6 @@ class _Tables:
             _to_device([v for row in rows for v in row], torch.int64, device),
             _to_device([v for p in programs for v in p], torch.int64, device),
             len(programs),
-            all(row[c] % 16 == 0 for row in rows for c in (0, 2, 3, 4, 5)),
         )
         tables = [k for k in kept if k[0] != "ones"]
         if len(tables) >= _KEPT:
@@ -222,8 +234,10 @@ def run_one_pass(
     """The group's Adam/AdamW update of `slots` in one kernel launch. `state_of(key)` gives the
     optimizer's state for a key (created as Adam creates it). Step counters move as torch's fused
     optimizer moves them: +1, and back on a step `found_inf` skips (on the device). False, with nothing
-    done, while a CUDA graph is being captured on the parameters' device: the caller then takes the
-    chunked update."""
+    done (the caller then takes the chunked update): while a CUDA graph is being captured on the
+    parameters' device; with `found_inf` when a step counter is on the host (taking it back would read
+    the flag on the host); when a moment is not a contiguous FP32 tensor of its master's shape (the
+    kernel reads it flat, as the master)."""
 
     if not slots:
         return True
@@ -233,18 +247,32 @@ def run_one_pass(
     states = [state_of(s.key) for s in slots]
     steps = [st["step"] for st in states]
     on_device = [_counter_on_device(step, slot.master) for slot, step in zip(slots, steps, strict=True)]
+    for slot, st in zip(slots, states, strict=True):
+        for name in ("exp_avg", "exp_avg_sq"):
+            m = st[name]
+            if m.dtype != torch.float32 or m.shape != slot.master.shape or not m.is_contiguous():
+                return False
     if found_inf is not None and not all(on_device):
         return False  # a counter on the host cannot take a device flag back without a sync: torch's path
     if CHUNK % BLOCK:
         raise ValueError(f"masters.kernel: CHUNK ({CHUNK}) must be a multiple of BLOCK ({BLOCK})")
-    table, programs, count, aligned = _Tables.get(optimizer, slots, states)
     beta1, beta2 = group["betas"]
     lr, eps, wd = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
     decoupled = group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW)
     with torch.no_grad():
         torch._foreach_add_(steps, 1)
-        if count:  # (every tensor empty: nothing to launch, and a grid of 0 programs is an error)
-            corrections = _corrections(steps, on_device, lr, float(beta1), float(beta2), device)
+        # one launch for the aligned tensors, one for the others (most groups are one or the other)
+        for aligned in (True, False):
+            idx = [i for i, (slot, st) in enumerate(zip(slots, states)) if _aligned(slot, st) is aligned]
+            if not idx:
+                continue
+            part = [slots[i] for i in idx]
+            table, programs, count = _Tables.get(optimizer, part, [states[i] for i in idx])
+            if not count:  # every tensor empty: nothing to launch (a grid of 0 programs is an error)
+                continue
+            corrections = _corrections(
+                [steps[i] for i in idx], [on_device[i] for i in idx], lr, float(beta1), float(beta2), device
+            )
             dummy = corrections  # an unused pointer argument
             _kernel()[(count,)](
                 table, programs,
@@ -252,9 +280,9 @@ def run_one_pass(
                 found_inf if found_inf is not None else dummy,
                 corrections,
                 *_split(lr), *_split(beta1), *_split(beta2), *_split(eps), *_split(wd),
-                HAS_FACTOR=any(s.factor is not None for s in slots), HAS_SCALE=grad_scale is not None,
+                HAS_FACTOR=any(s.factor is not None for s in part), HAS_SCALE=grad_scale is not None,
                 HAS_INF=found_inf is not None, HAS_WD=wd != 0, DECOUPLED=decoupled, ALIGNED=aligned,
-                COLUMNS=_COLUMNS, CHUNK=CHUNK, BLOCK=BLOCK,
+                COLUMNS=_COLUMNS, CHUNK=CHUNK, BLOCK=BLOCK, num_warps=NUM_WARPS,
                 enable_fp_fusion=True,  # nvcc's default (--fmad=true), as torch's fused kernel is built
             )  # fmt: skip
         if found_inf is not None:

@@ -398,7 +398,9 @@ class OptimizerMasters:
         taken out of its sight (it updates the optimizer's other parameters)."""
         self.restore()
         work = []
-        seen: set[int] = set()  # pairs already taken (a parameter listed twice: torch warns; updated once)
+        # pairs already taken: a parameter listed twice is updated once here (torch warns that a list
+        # with duplicates will become an error, and meanwhile steps it twice)
+        seen: set[int] = set()
         for group in optimizer.param_groups:
             if chunkable(optimizer, group) is not None:
                 continue
@@ -435,7 +437,8 @@ class OptimizerMasters:
         try:
             for group, pairs in work:
                 one_pass = self._one_pass_slots(optimizer, group, pairs)
-                # CUDA with Triton: one kernel launch for the group (not while a CUDA graph is captured)
+                # CUDA with Triton: one kernel launch for the group (False: the kernel declined before
+                # touching anything: a CUDA graph capture, a host counter with a device flag, ...)
                 if one_pass is None or not run_one_pass(
                     optimizer, group, one_pass, lambda key, g=group: adam_state(optimizer, g, key), grad_scale,
                     found_inf,

@@ -9,7 +9,7 @@ __all__ = ["master_adam"]
 
 @triton.jit
 def adam_block(
-    offs, mask, grad_ptr, factor_ptr, scale_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, weight_ptr,
+    offs, mask, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, weight_ptr, factor, inv_scale,
     step_size, bc2_sqrt, lr, beta1, beta2, eps, wd,
     MASKED: tl.constexpr, HAS_FACTOR: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_WD: tl.constexpr,
     DECOUPLED: tl.constexpr,
@@ -30,9 +30,9 @@ def adam_block(
         exp_avg = tl.load(exp_avg_ptr + offs)
         exp_avg_sq = tl.load(exp_avg_sq_ptr + offs)
     if HAS_FACTOR:  # the unscale (and clip) factor, as the chunked path casts: FP32 (1: none)
-        grad = grad * tl.load(factor_ptr)
+        grad = grad * factor
     if HAS_SCALE:  # a fused optimizer's grad_scale: grad /= (double)*grad_scale
-        grad = (grad.to(tl.float64) / tl.load(scale_ptr).to(tl.float64)).to(tl.float32)
+        grad = (grad.to(tl.float64) / inv_scale).to(tl.float32)
     if HAS_WD:
         if DECOUPLED:
             param = (param.to(tl.float64) - lr * wd * param.to(tl.float64)).to(tl.float32)
@@ -57,6 +57,22 @@ def adam_block(
 
 
 @triton.jit
+def full_blocks(
+    first, full, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, weight_ptr, factor, inv_scale,
+    step_size, bc2_sqrt, lr, beta1, beta2, eps, wd,
+    HAS_FACTOR: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_WD: tl.constexpr, DECOUPLED: tl.constexpr,
+    BLOCK: tl.constexpr,
+):  # fmt: skip
+    """The chunk's whole blocks, unmasked (`first` is a multiple of BLOCK: CHUNK is one)."""
+    for start in range(first, full, BLOCK):
+        offs = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
+        adam_block(
+            offs, None, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, weight_ptr, factor, inv_scale,
+            step_size, bc2_sqrt, lr, beta1, beta2, eps, wd, False, HAS_FACTOR, HAS_SCALE, HAS_WD, DECOUPLED,
+        )  # fmt: skip
+
+
+@triton.jit
 def master_adam(
     table_ptr, programs_ptr, scale_ptr, inf_ptr, corrections_ptr,
     lr_hi, lr_lo, beta1_hi, beta1_lo, beta2_hi, beta2_lo, eps_hi, eps_lo, wd_hi, wd_lo,
@@ -74,7 +90,9 @@ def master_adam(
     exp_avg_ptr = tl.load(row + 3).to(tl.pointer_type(tl.float32))
     exp_avg_sq_ptr = tl.load(row + 4).to(tl.pointer_type(tl.float32))
     weight_ptr = tl.load(row + 5).to(tl.pointer_type(tl.float16))
-    if ALIGNED:  # every address 16-byte aligned (checked on the host): vector loads and stores
+    if ALIGNED:  # every block address of the launch 16-byte aligned (the host checks): vector accesses
+        # (a compile-time branch: `multiple_of` marks the value itself, so a run-time one would mark
+        # the unaligned tensors' accesses too)
         grad_ptr = tl.multiple_of(grad_ptr, 16)
         master_ptr = tl.multiple_of(master_ptr, 16)
         exp_avg_ptr = tl.multiple_of(exp_avg_ptr, 16)
@@ -92,21 +110,25 @@ def master_adam(
     # (lr / bias correction 1, sqrt(bias correction 2)), FP32, per tensor
     step_size = tl.load(corrections_ptr + 2 * t)
     bc2_sqrt = tl.load(corrections_ptr + 2 * t + 1)
+    # the per-step scalars, read once (the compiler cannot keep them across the stores: they may alias)
+    factor = 1.0
+    if HAS_FACTOR:
+        factor = tl.load(factor_ptr)
+    inv_scale = 1.0
+    if HAS_SCALE:
+        inv_scale = tl.load(scale_ptr).to(tl.float64)
     flag = 0.0
     if HAS_INF:  # a skipped step writes nothing: one branch for the whole program
         flag = tl.load(inf_ptr)
     if flag == 0:
-        for start in range(first, full, BLOCK):
-            offs = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
-            adam_block(
-                offs, offs < last, grad_ptr, factor_ptr, scale_ptr, master_ptr, exp_avg_ptr,
-                exp_avg_sq_ptr, weight_ptr, step_size, bc2_sqrt, lr, beta1, beta2, eps, wd, False,
-                HAS_FACTOR, HAS_SCALE, HAS_WD, DECOUPLED,
-            )  # fmt: skip
+        full_blocks(
+            first, full, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, weight_ptr, factor, inv_scale,
+            step_size, bc2_sqrt, lr, beta1, beta2, eps, wd, HAS_FACTOR, HAS_SCALE, HAS_WD, DECOUPLED, BLOCK,
+        )  # fmt: skip
         if full < last:
             offs = full + tl.arange(0, BLOCK)
             adam_block(
-                offs, offs < last, grad_ptr, factor_ptr, scale_ptr, master_ptr, exp_avg_ptr,
-                exp_avg_sq_ptr, weight_ptr, step_size, bc2_sqrt, lr, beta1, beta2, eps, wd, True,
-                HAS_FACTOR, HAS_SCALE, HAS_WD, DECOUPLED,
+                offs, offs < last, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, weight_ptr, factor,
+                inv_scale, step_size, bc2_sqrt, lr, beta1, beta2, eps, wd, True, HAS_FACTOR, HAS_SCALE,
+                HAS_WD, DECOUPLED,
             )  # fmt: skip
