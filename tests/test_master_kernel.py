@@ -446,7 +446,7 @@ def test_a_capture_without_kept_tables_steps_through_the_chunked_update(device, 
 def test_vector_access_is_claimed_only_for_tensors_whose_addresses_are_aligned(device, monkeypatch):
     """A tensor goes to the launch that tells the compiler its addresses are 16-byte aligned (so the
     compiled kernel moves whole blocks in vectors) only when each of its five block-read addresses is;
-    a group mixing both is two launches, and the unaligned tensors still step right. Catches: the
+    a group mixing both is two launches over one table, and the unaligned tensors still step right. Catches: the
     claim taken from one address or from another tensor, or made for a whole group with an unaligned
     tensor in it (a misaligned vector access on the GPU faults or reads the wrong bytes; the interpreter
     ignores the hints, so only this check sees it)."""
@@ -479,6 +479,8 @@ def test_vector_access_is_claimed_only_for_tensors_whose_addresses_are_aligned(d
     assert run_one_pass(opt, group, slots, lambda k: opt.state[k], None, None)
     assert [kw["ALIGNED"] for kw in launches.kwargs] == [True, False]
     assert launches.grids == [(1,), (1,)]
+    # over one table (one kept set per group, not one per kind): the second launch's programs follow
+    assert launches.args[0][0] is launches.args[1][0] and [a[5] for a in launches.args] == [0, 1]
     for m, w, (param, _, _), b in zip(group_masters, ws, expected, before, strict=True):
         assert _ulp_errors(m, param, b).max() <= 2 and torch.equal(w, m.half())
     assert [float(opt.state[k]["step"]) for k in keys] == [5.0, 5.0]  # each counter moved once
@@ -578,7 +580,7 @@ def _compiled_for_hopper(aligned: bool, has_inf: bool) -> str:
     fn = module.master_adam
     flags = dict(HAS_FACTOR=True, HAS_SCALE=True, HAS_INF=has_inf, HAS_WD=True, DECOUPLED=True, ALIGNED=aligned,
                  COLUMNS=master_kernel._COLUMNS, CHUNK=master_kernel.CHUNK, BLOCK=master_kernel.BLOCK)  # fmt: skip
-    pointers = {"table_ptr": "*i64", "programs_ptr": "*i64"}
+    pointers = {"table_ptr": "*i64", "programs_ptr": "*i64", "first_program": "i32"}
     signature = {
         name: "constexpr"
         if name in flags

@@ -8,9 +8,10 @@ FP16 weight. A step whose `found_inf` is set writes nothing. Everything it reads
 factor, `grad_scale`, `found_inf`, the step counter of a fused or capturable group), so it adds no
 host sync.
 
-One launch covers the group (two when it mixes tensors whose addresses are 16-byte aligned with others:
-the aligned launch tells the compiler, which then moves whole blocks in 128-bit vectors): a table on the device holds each tensor's addresses and length, another
-each program's (tensor, first element) pair, `CHUNK` elements per program (what Apex's
+One launch covers the group (two over one table when it mixes tensors whose addresses are all 16-byte
+aligned with others: the aligned tensors' launch tells the compiler, which then moves whole blocks in
+vectors): a table on the device holds each tensor's addresses and length, another each program's
+(tensor, first element) pair, `CHUNK` elements per program (what Apex's
 `multi_tensor_apply` hands a CUDA block). The tables are made on the host and copied once (pinned,
 without waiting); a step over the same tensors (the same addresses: the masters, moments and weights
 stay put, and a gradient the allocator hands the same block) reuses them, copying nothing. While a
@@ -231,7 +232,8 @@ def run_one_pass(
     grad_scale: torch.Tensor | None = None,
     found_inf: torch.Tensor | None = None,
 ) -> bool:
-    """The group's Adam/AdamW update of `slots` in one kernel launch. `state_of(key)` gives the
+    """The group's Adam/AdamW update of `slots` in one kernel launch (two over the same tables when
+    aligned and unaligned tensors mix). `state_of(key)` gives the
     optimizer's state for a key (created as Adam creates it). Step counters move as torch's fused
     optimizer moves them: +1, and back on a step `found_inf` skips (on the device). False, with nothing
     done (the caller then takes the chunked update): while a CUDA graph is being captured on the
@@ -250,7 +252,12 @@ def run_one_pass(
     for slot, st in zip(slots, states, strict=True):
         for name in ("exp_avg", "exp_avg_sq"):
             m = st[name]
-            if m.dtype != torch.float32 or m.shape != slot.master.shape or not m.is_contiguous():
+            if (
+                m.dtype != torch.float32
+                or m.shape != slot.master.shape
+                or not m.is_contiguous()
+                or m.device != slot.master.device
+            ):
                 return False
     if found_inf is not None and not all(on_device):
         return False  # a counter on the host cannot take a device flag back without a sync: torch's path
@@ -259,32 +266,36 @@ def run_one_pass(
     beta1, beta2 = group["betas"]
     lr, eps, wd = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
     decoupled = group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW)
+    # the aligned tensors first in one table: a launch for their programs, another for the rest's
+    aligned = [_aligned(slot, st) for slot, st in zip(slots, states, strict=True)]
+    order = sorted(range(len(slots)), key=lambda i: not aligned[i])  # (stable: the group's order within)
+    slots, states = [slots[i] for i in order], [states[i] for i in order]
+    hinted = sum(aligned)
+    table, programs, count = _Tables.get(optimizer, slots, states)
+    split = sum(-(-s.master.numel() // CHUNK) for s in slots[:hinted])  # the aligned tensors' programs
     with torch.no_grad():
         torch._foreach_add_(steps, 1)
-        # one launch for the aligned tensors, one for the others (most groups are one or the other)
-        for aligned in (True, False):
-            idx = [i for i, (slot, st) in enumerate(zip(slots, states)) if _aligned(slot, st) is aligned]
-            if not idx:
-                continue
-            part = [slots[i] for i in idx]
-            table, programs, count = _Tables.get(optimizer, part, [states[i] for i in idx])
-            if not count:  # every tensor empty: nothing to launch (a grid of 0 programs is an error)
-                continue
-            corrections = _corrections(
-                [steps[i] for i in idx], [on_device[i] for i in idx], lr, float(beta1), float(beta2), device
-            )
+        if count:  # (every tensor empty: nothing to launch, and a grid of 0 programs is an error)
+            ordered = [steps[i] for i in order], [on_device[i] for i in order]
+            corrections = _corrections(*ordered, lr, float(beta1), float(beta2), device)
             dummy = corrections  # an unused pointer argument
-            _kernel()[(count,)](
-                table, programs,
-                grad_scale if grad_scale is not None else dummy,
-                found_inf if found_inf is not None else dummy,
-                corrections,
-                *_split(lr), *_split(beta1), *_split(beta2), *_split(eps), *_split(wd),
-                HAS_FACTOR=any(s.factor is not None for s in part), HAS_SCALE=grad_scale is not None,
-                HAS_INF=found_inf is not None, HAS_WD=wd != 0, DECOUPLED=decoupled, ALIGNED=aligned,
-                COLUMNS=_COLUMNS, CHUNK=CHUNK, BLOCK=BLOCK, num_warps=NUM_WARPS,
-                enable_fp_fusion=True,  # nvcc's default (--fmad=true), as torch's fused kernel is built
-            )  # fmt: skip
+            for is_aligned, first, n, part in (
+                (True, 0, split, slots[:hinted]),
+                (False, split, count - split, slots[hinted:]),
+            ):
+                if not n:
+                    continue
+                _kernel()[(n,)](
+                    table, programs,
+                    grad_scale if grad_scale is not None else dummy,
+                    found_inf if found_inf is not None else dummy,
+                    corrections, first,
+                    *_split(lr), *_split(beta1), *_split(beta2), *_split(eps), *_split(wd),
+                    HAS_FACTOR=any(s.factor is not None for s in part), HAS_SCALE=grad_scale is not None,
+                    HAS_INF=found_inf is not None, HAS_WD=wd != 0, DECOUPLED=decoupled, ALIGNED=is_aligned,
+                    COLUMNS=_COLUMNS, CHUNK=CHUNK, BLOCK=BLOCK, num_warps=NUM_WARPS,
+                    enable_fp_fusion=True,  # nvcc's default (--fmad=true), as torch's fused kernel is built
+                )  # fmt: skip
         if found_inf is not None:
             torch._foreach_sub_(steps, [found_inf.to(device)] * len(steps))
     return True

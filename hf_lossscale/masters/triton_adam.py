@@ -9,7 +9,7 @@ __all__ = ["master_adam"]
 
 @triton.jit
 def adam_block(
-    offs, mask, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, weight_ptr, factor, inv_scale,
+    offs, mask, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, weight_ptr, factor, scale,
     step_size, bc2_sqrt, lr, beta1, beta2, eps, wd,
     MASKED: tl.constexpr, HAS_FACTOR: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_WD: tl.constexpr,
     DECOUPLED: tl.constexpr,
@@ -32,7 +32,7 @@ def adam_block(
     if HAS_FACTOR:  # the unscale (and clip) factor, as the chunked path casts: FP32 (1: none)
         grad = grad * factor
     if HAS_SCALE:  # a fused optimizer's grad_scale: grad /= (double)*grad_scale
-        grad = (grad.to(tl.float64) / inv_scale).to(tl.float32)
+        grad = (grad.to(tl.float64) / scale).to(tl.float32)
     if HAS_WD:
         if DECOUPLED:
             param = (param.to(tl.float64) - lr * wd * param.to(tl.float64)).to(tl.float32)
@@ -58,7 +58,7 @@ def adam_block(
 
 @triton.jit
 def full_blocks(
-    first, full, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, weight_ptr, factor, inv_scale,
+    first, full, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, weight_ptr, factor, scale,
     step_size, bc2_sqrt, lr, beta1, beta2, eps, wd,
     HAS_FACTOR: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_WD: tl.constexpr, DECOUPLED: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -67,20 +67,20 @@ def full_blocks(
     for start in range(first, full, BLOCK):
         offs = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
         adam_block(
-            offs, None, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, weight_ptr, factor, inv_scale,
+            offs, None, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, weight_ptr, factor, scale,
             step_size, bc2_sqrt, lr, beta1, beta2, eps, wd, False, HAS_FACTOR, HAS_SCALE, HAS_WD, DECOUPLED,
         )  # fmt: skip
 
 
 @triton.jit
 def master_adam(
-    table_ptr, programs_ptr, scale_ptr, inf_ptr, corrections_ptr,
+    table_ptr, programs_ptr, scale_ptr, inf_ptr, corrections_ptr, first_program,
     lr_hi, lr_lo, beta1_hi, beta1_lo, beta2_hi, beta2_lo, eps_hi, eps_lo, wd_hi, wd_lo,
     HAS_FACTOR: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_INF: tl.constexpr, HAS_WD: tl.constexpr,
     DECOUPLED: tl.constexpr, ALIGNED: tl.constexpr, COLUMNS: tl.constexpr, CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
-    program = tl.program_id(0)
+    program = first_program + tl.program_id(0)  # (the aligned tensors' programs come first)
     t = tl.load(programs_ptr + 2 * program)
     first = tl.load(programs_ptr + 2 * program + 1)
     row = table_ptr + COLUMNS * t
@@ -114,21 +114,21 @@ def master_adam(
     factor = 1.0
     if HAS_FACTOR:
         factor = tl.load(factor_ptr)
-    inv_scale = 1.0
+    scale = 1.0
     if HAS_SCALE:
-        inv_scale = tl.load(scale_ptr).to(tl.float64)
+        scale = tl.load(scale_ptr).to(tl.float64)
     flag = 0.0
     if HAS_INF:  # a skipped step writes nothing: one branch for the whole program
         flag = tl.load(inf_ptr)
     if flag == 0:
         full_blocks(
-            first, full, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, weight_ptr, factor, inv_scale,
+            first, full, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, weight_ptr, factor, scale,
             step_size, bc2_sqrt, lr, beta1, beta2, eps, wd, HAS_FACTOR, HAS_SCALE, HAS_WD, DECOUPLED, BLOCK,
         )  # fmt: skip
         if full < last:
             offs = full + tl.arange(0, BLOCK)
             adam_block(
                 offs, offs < last, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, weight_ptr, factor,
-                inv_scale, step_size, bc2_sqrt, lr, beta1, beta2, eps, wd, True, HAS_FACTOR, HAS_SCALE,
+                scale, step_size, bc2_sqrt, lr, beta1, beta2, eps, wd, True, HAS_FACTOR, HAS_SCALE,
                 HAS_WD, DECOUPLED,
             )  # fmt: skip
