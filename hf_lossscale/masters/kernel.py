@@ -158,8 +158,8 @@ class _Tables:
         cls, optimizer: torch.optim.Optimizer, slots: list[OnePassSlot], states: list[dict]
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """(tensor table, program table, programs) for `slots`, kept or made. Addresses and lengths are
-        all a table holds (its alignment column follows from the addresses): a new tensor at a kept
-        address with the same length is the same to the kernel."""
+        all a table holds: a new tensor at a kept address with the same length is the same to the
+        kernel."""
         device = slots[0].master.device
         kept = cls._of.setdefault(optimizer, {})
         ones = kept.get(("ones", device))
@@ -238,8 +238,8 @@ def run_one_pass(
     optimizer moves them: +1, and back on a step `found_inf` skips (on the device). False, with nothing
     done (the caller then takes the chunked update): while a CUDA graph is being captured on the
     parameters' device; with `found_inf` when a step counter is on the host (taking it back would read
-    the flag on the host); when a moment is not a contiguous FP32 tensor of its master's shape (the
-    kernel reads it flat, as the master)."""
+    the flag on the host); when a moment is not a contiguous FP32 tensor of its master's shape on its
+    master's device (the kernel reads it flat, as the master)."""
 
     if not slots:
         return True
