@@ -9,26 +9,19 @@ __all__ = ["master_adam"]
 
 @triton.jit
 def adam_block(
-    offs, mask, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, weight_ptr, factor, scale,
+    offs, mask, other, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, weight_ptr, factor, scale,
     step_size, bc2_sqrt, lr, beta1, beta2, eps, wd,
-    MASKED: tl.constexpr, HAS_FACTOR: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_WD: tl.constexpr,
-    DECOUPLED: tl.constexpr,
+    HAS_FACTOR: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_WD: tl.constexpr, DECOUPLED: tl.constexpr,
 ):  # fmt: skip
     # torch's fused CUDA Adam (`adam_math` in fused_adam_utils.cuh), in its order and precisions:
     # hyperparameters are doubles (here to 48 bits: two floats), the bias corrections and the values
     # FP32 ("opmath"), so each expression that mixes a hyperparameter in is computed in double and
-    # rounded to FP32 where torch stores it. A full block loads without a mask: masked loads do not
-    # vectorise, the tail's do not need to.
-    if MASKED:
-        grad = tl.load(grad_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        param = tl.load(master_ptr + offs, mask=mask, other=0.0)
-        exp_avg = tl.load(exp_avg_ptr + offs, mask=mask, other=0.0)
-        exp_avg_sq = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=0.0)
-    else:
-        grad = tl.load(grad_ptr + offs).to(tl.float32)
-        param = tl.load(master_ptr + offs)
-        exp_avg = tl.load(exp_avg_ptr + offs)
-        exp_avg_sq = tl.load(exp_avg_sq_ptr + offs)
+    # rounded to FP32 where torch stores it. A full block comes with `mask` and `other` None: masked
+    # loads do not vectorise, the tail's do not need to.
+    grad = tl.load(grad_ptr + offs, mask=mask, other=other).to(tl.float32)
+    param = tl.load(master_ptr + offs, mask=mask, other=other)
+    exp_avg = tl.load(exp_avg_ptr + offs, mask=mask, other=other)
+    exp_avg_sq = tl.load(exp_avg_sq_ptr + offs, mask=mask, other=other)
     if HAS_FACTOR:  # the unscale (and clip) factor, as the chunked path casts: FP32 (1: none)
         grad = grad * factor
     if HAS_SCALE:  # a fused optimizer's grad_scale: grad /= (double)*grad_scale
@@ -44,32 +37,10 @@ def adam_block(
     # sqrt(v) / sqrt(bias correction 2) in FP32, then + eps in double
     denom = (tl.div_rn(tl.sqrt_rn(exp_avg_sq), bc2_sqrt).to(tl.float64) + eps).to(tl.float32)
     param = param - tl.div_rn(step_size * exp_avg, denom)  # IEEE division, as CUDA's `/`
-    if MASKED:
-        tl.store(master_ptr + offs, param, mask=mask)
-        tl.store(exp_avg_ptr + offs, exp_avg, mask=mask)
-        tl.store(exp_avg_sq_ptr + offs, exp_avg_sq, mask=mask)
-        tl.store(weight_ptr + offs, param.to(tl.float16), mask=mask)
-    else:
-        tl.store(master_ptr + offs, param)
-        tl.store(exp_avg_ptr + offs, exp_avg)
-        tl.store(exp_avg_sq_ptr + offs, exp_avg_sq)
-        tl.store(weight_ptr + offs, param.to(tl.float16))
-
-
-@triton.jit
-def full_blocks(
-    first, full, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, weight_ptr, factor, scale,
-    step_size, bc2_sqrt, lr, beta1, beta2, eps, wd,
-    HAS_FACTOR: tl.constexpr, HAS_SCALE: tl.constexpr, HAS_WD: tl.constexpr, DECOUPLED: tl.constexpr,
-    BLOCK: tl.constexpr,
-):  # fmt: skip
-    """The chunk's whole blocks, unmasked (`first` is a multiple of BLOCK: CHUNK is one)."""
-    for start in range(first, full, BLOCK):
-        offs = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
-        adam_block(
-            offs, None, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, weight_ptr, factor, scale,
-            step_size, bc2_sqrt, lr, beta1, beta2, eps, wd, False, HAS_FACTOR, HAS_SCALE, HAS_WD, DECOUPLED,
-        )  # fmt: skip
+    tl.store(master_ptr + offs, param, mask=mask)
+    tl.store(exp_avg_ptr + offs, exp_avg, mask=mask)
+    tl.store(exp_avg_sq_ptr + offs, exp_avg_sq, mask=mask)
+    tl.store(weight_ptr + offs, param.to(tl.float16), mask=mask)
 
 
 @triton.jit
@@ -121,14 +92,15 @@ def master_adam(
     if HAS_INF:  # a skipped step writes nothing: one branch for the whole program
         flag = tl.load(inf_ptr)
     if flag == 0:
-        full_blocks(
-            first, full, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, weight_ptr, factor, scale,
-            step_size, bc2_sqrt, lr, beta1, beta2, eps, wd, HAS_FACTOR, HAS_SCALE, HAS_WD, DECOUPLED, BLOCK,
-        )  # fmt: skip
-        if full < last:
+        for start in range(first, full, BLOCK):  # the whole blocks (`first` is a multiple of BLOCK)
+            offs = tl.max_contiguous(tl.multiple_of(start + tl.arange(0, BLOCK), BLOCK), BLOCK)
+            adam_block(
+                offs, None, None, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, weight_ptr, factor, scale,
+                step_size, bc2_sqrt, lr, beta1, beta2, eps, wd, HAS_FACTOR, HAS_SCALE, HAS_WD, DECOUPLED,
+            )  # fmt: skip
+        if full < last:  # the tail, masked
             offs = full + tl.arange(0, BLOCK)
             adam_block(
-                offs, offs < last, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, weight_ptr, factor,
-                scale, step_size, bc2_sqrt, lr, beta1, beta2, eps, wd, True, HAS_FACTOR, HAS_SCALE,
-                HAS_WD, DECOUPLED,
+                offs, offs < last, 0.0, grad_ptr, master_ptr, exp_avg_ptr, exp_avg_sq_ptr, weight_ptr, factor,
+                scale, step_size, bc2_sqrt, lr, beta1, beta2, eps, wd, HAS_FACTOR, HAS_SCALE, HAS_WD, DECOUPLED,
             )  # fmt: skip
