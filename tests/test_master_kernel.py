@@ -481,6 +481,11 @@ def test_vector_access_is_claimed_only_for_tensors_whose_addresses_are_aligned(d
     assert launches.grids == [(1,), (1,)]
     # over one table (one kept set per group, not one per kind): the second launch's programs follow
     assert launches.args[0][0] is launches.args[1][0] and [a[5] for a in launches.args] == [0, 1]
+    for args, kwargs, (n,) in zip(launches.args, launches.kwargs, launches.grids, strict=True):
+        table, programs, first = args[0].view(-1, master_kernel._COLUMNS), args[1].view(-1, 2), args[5]
+        rows = table[programs[first : first + n, 0]]  # the tensors this launch's programs step
+        addresses_aligned = bool((rows[:, [0, 2, 3, 4, 5]] % 16 == 0).all())
+        assert addresses_aligned is kwargs["ALIGNED"]  # the hinted launch steps the aligned tensor, only it
     for m, w, (param, _, _), b in zip(group_masters, ws, expected, before, strict=True):
         assert _ulp_errors(m, param, b).max() <= 2 and torch.equal(w, m.half())
     assert [float(opt.state[k]["step"]) for k in keys] == [5.0, 5.0]  # each counter moved once

@@ -36,7 +36,7 @@ import functools
 import os
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -148,18 +148,29 @@ def _to_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.
     return host.pin_memory().to(device, non_blocking=True)
 
 
+class _Kept(NamedTuple):
+    """A group's tables and how its launches cut them: the tensors in `order` (indices into the group's
+    slots, the `aligned` ones with every block address 16-byte aligned first), whose first `split` of
+    `count` programs are the aligned tensors'."""
+
+    table: torch.Tensor
+    programs: torch.Tensor
+    count: int
+    order: tuple[int, ...]
+    aligned: int
+    split: int
+
+
 class _Tables:
     """The launch's tables per address set, kept on the optimizer's side (weakly: they die with it)."""
 
     _of: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
     @classmethod
-    def get(
-        cls, optimizer: torch.optim.Optimizer, slots: list[OnePassSlot], states: list[dict]
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
-        """(tensor table, program table, programs) for `slots`, kept or made. Addresses and lengths are
-        all a table holds: a new tensor at a kept address with the same length is the same to the
-        kernel."""
+    def get(cls, optimizer: torch.optim.Optimizer, slots: list[OnePassSlot], states: list[dict]) -> _Kept:
+        """The tables for `slots`, kept or made. Addresses and lengths are all a table holds (the
+        alignment and the order follow from the addresses): a new tensor at a kept address with the
+        same length is the same to the kernel."""
         device = slots[0].master.device
         kept = cls._of.setdefault(optimizer, {})
         ones = kept.get(("ones", device))
@@ -174,11 +185,17 @@ class _Tables:
         found = kept.get(key)
         if found is not None:
             return found
+        aligned = [_aligned(slot, st) for slot, st in zip(slots, states, strict=True)]
+        order = sorted(range(len(rows)), key=lambda i: not aligned[i])  # (stable: the group's order within)
+        rows = [rows[i] for i in order]
         programs = [(t, start) for t, row in enumerate(rows) for start in range(0, row[-1], CHUNK)]
-        found = (
+        found = _Kept(
             _to_device([v for row in rows for v in row], torch.int64, device),
             _to_device([v for p in programs for v in p], torch.int64, device),
             len(programs),
+            tuple(order),
+            sum(aligned),
+            sum(-(-row[-1] // CHUNK) for row in rows[: sum(aligned)]),
         )
         tables = [k for k in kept if k[0] != "ones"]
         if len(tables) >= _KEPT:
@@ -267,26 +284,29 @@ def run_one_pass(
     lr, eps, wd = float(group["lr"]), float(group["eps"]), float(group["weight_decay"])
     decoupled = group.get("decoupled_weight_decay", type(optimizer) is torch.optim.AdamW)
     # the aligned tensors first in one table: a launch for their programs, another for the rest's
-    aligned = [_aligned(slot, st) for slot, st in zip(slots, states, strict=True)]
-    order = sorted(range(len(slots)), key=lambda i: not aligned[i])  # (stable: the group's order within)
-    slots, states = [slots[i] for i in order], [states[i] for i in order]
-    hinted = sum(aligned)
-    table, programs, count = _Tables.get(optimizer, slots, states)
-    split = sum(-(-s.master.numel() // CHUNK) for s in slots[:hinted])  # the aligned tensors' programs
+    kept = _Tables.get(optimizer, slots, states)
     with torch.no_grad():
         torch._foreach_add_(steps, 1)
-        if count:  # (every tensor empty: nothing to launch, and a grid of 0 programs is an error)
-            ordered = [steps[i] for i in order], [on_device[i] for i in order]
-            corrections = _corrections(*ordered, lr, float(beta1), float(beta2), device)
+        if kept.count:  # (every tensor empty: nothing to launch, and a grid of 0 programs is an error)
+            order = kept.order
+            corrections = _corrections(
+                [steps[i] for i in order],
+                [on_device[i] for i in order],
+                lr,
+                float(beta1),
+                float(beta2),
+                device,
+            )
             dummy = corrections  # an unused pointer argument
+            ordered = [slots[i] for i in order]
             for is_aligned, first, n, part in (
-                (True, 0, split, slots[:hinted]),
-                (False, split, count - split, slots[hinted:]),
+                (True, 0, kept.split, ordered[: kept.aligned]),
+                (False, kept.split, kept.count - kept.split, ordered[kept.aligned :]),
             ):
                 if not n:
                     continue
                 _kernel()[(n,)](
-                    table, programs,
+                    kept.table, kept.programs,
                     grad_scale if grad_scale is not None else dummy,
                     found_inf if found_inf is not None else dummy,
                     corrections, first,
