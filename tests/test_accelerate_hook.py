@@ -62,8 +62,8 @@ def test_cpu_fp16_install_before_or_after_prepare(order, optimizer, fp16_on_cpu)
     assert acc.hf_lossscale.scaler is scaler and opt.scaler is scaler
     assert isinstance(opt, LossScaledOptimizer) == accelerate_has_4242()
     assert opt in acc._optimizers  # the optimizer prepare() returned is the one Accelerate steps and saves
-    # native CPU FP16 is Accelerate's own autocast (native_amp on); only the emulation replaces it
-    assert ("autocast" in vars(acc)) == (fp16_on_cpu == "emulate")
+    # Accelerate's own autocast and backward (native_amp on), also under the emulation
+    assert "autocast" not in vars(acc) and "backward" not in vars(acc)
     for step, (out_dtype, inner_dtype, skipped, acc_skipped, unchanged) in enumerate(history):
         assert inner_dtype == torch.float16  # real FP16 compute on the CPU
         assert out_dtype == torch.float32  # outputs converted back, as Accelerate does on GPUs
@@ -364,9 +364,10 @@ def test_step_was_skipped_reads_the_device_only_for_fused_kernels(optimizer):
 def test_the_members_of_the_accelerator_the_hook_sets():
     """Issue 56: what `install_loss_scaler` and `prepare()` change on the one `Accelerator`, by comparing its
     instance attributes before and after. On a CPU with emulated FP16: the scaler slot, our namespace,
-    `native_amp`, `autocast`, `backward`, the two `prepare_*` and `clip_grad_norm_` (8; `clip_grad_value_`
-    needs no wrapper since the FP16 parameters' `.grad` reads the masters'). Bug caught: a new member
-    patched without anyone deciding to (each one is a place Accelerate's own code can be bypassed)."""
+    `native_amp`, the two `prepare_*` and `clip_grad_norm_` (6, as with native CPU FP16: the emulated
+    backward is the scaled loss's, `core.scaled_loss`; `clip_grad_value_` needs no wrapper since the FP16
+    parameters' `.grad` reads the masters'). Bug caught: a new member patched without anyone deciding to
+    (each one is a place Accelerate's own code can be bypassed)."""
     from accelerate import Accelerator
 
     from hf_lossscale import install_loss_scaler
@@ -380,6 +381,53 @@ def test_the_members_of_the_accelerator_the_hook_sets():
     bookkeeping = {"_models", "_optimizers", "_schedulers", "_dataloaders", "_custom_objects", "step",
                    "_load_model_state_pre_hook", "_save_model_state_pre_hook", "flag_tensor"}  # fmt: skip
     assert [k for k in changed if k not in bookkeeping] == [
-        "autocast", "backward", "clip_grad_norm_", "hf_lossscale", "native_amp", "prepare_model",
-        "prepare_optimizer", "scaler",
+        "clip_grad_norm_", "hf_lossscale", "native_amp", "prepare_model", "prepare_optimizer", "scaler",
     ]  # fmt: skip
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_emulated_backward_recomputes_checkpointed_layers_emulated(reentrant):
+    """Emulated CPU FP16 through `accelerator.backward`, which the hook leaves as Accelerate's: the scaled
+    loss runs its backward under the emulation (`core.scaled_loss`), so a checkpointed model's gradients
+    are bitwise those of the run without checkpointing. Bug caught: the backward outside the emulation
+    (the scaler's backward context not set, or the scaled loss's backward not under it): the recompute is
+    plain FP32 and, reentrant, its gradients are not rounded (far fewer flush)."""
+    from tiny_models import tiny_bert_config
+    from transformers import BertForMaskedLM
+
+    grads = []
+    for checkpointing in (False, True):
+        acc = Accelerator(mixed_precision="fp16", cpu=True)
+        install_loss_scaler(acc, LossScaleConfig(init_scale=1.0, fp16_on_cpu="emulate"))
+        torch.manual_seed(0)
+        cfg = tiny_bert_config(vocab_size=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        model = BertForMaskedLM(cfg).train()
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
+        model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        batch = {"input_ids": torch.randint(0, 64, (2, 16)), "labels": torch.randint(0, 64, (2, 16))}
+        acc.backward(model(**batch).loss * 1e-3)
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    assert 0.2 < (grads[0] == 0).float().mean() < 0.6  # the emulation flushes some: the test can see it
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_emulated_forward_under_accelerators_own_autocast():
+    """Under emulated CPU FP16 `accelerator.autocast()` is Accelerate's (torch's CPU FP16 autocast): code
+    of the user's own under it computes in real FP16, and a prepared model called under it is emulated,
+    not real FP16 (its forward turns CPU autocast off inside). Bug caught: the model's forward computing
+    in real FP16 on top of the emulation (~20x slower, and not the CUDA policy emulated)."""
+    acc = Accelerator(mixed_precision="fp16", cpu=True)
+    install_loss_scaler(acc, LossScaleConfig(fp16_on_cpu="emulate"))
+    model = tiny_mlp()
+    inner = []
+    model[0].register_forward_hook(lambda m, i, o: inner.append((o.dtype, getattr(o, "_hf_fp16", False))))
+    model, opt = acc.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    x = torch.randn(4, 4)
+    with acc.autocast():
+        out = model(x)
+        own = x @ x.T
+    assert inner == [(torch.float32, True)]  # emulated: FP32 storage, tagged FP16
+    assert out.dtype == torch.float32 and own.dtype == torch.float16
+    model(x)
+    assert inner[-1] == (torch.float32, True)  # the same without Accelerate's autocast around it

@@ -30,6 +30,7 @@ from . import update_rule as rule
 from .config import LossScaleConfig
 from .distributed import world_size
 from .hostcopy import tracing_or_capturing
+from .scaled_loss import with_backward_context
 from .scaler_args import scaler_arguments
 from .scaler_observers import (
     LossScaleCollapseError,
@@ -159,6 +160,9 @@ class DynamicLossScaler(TorchSurface, torch.amp.GradScaler):
         #: Further observers the scaler tells what happened (`ScalerObserver`s; by default the
         #: telemetry); empty in `"off"` mode. Add or remove freely.
         self.observers: list[ScalerObserver] = default_observers(self)
+        #: What the backward of a scaled loss runs under (`core.scaled_loss`): None, or the FP16
+        #: emulation of a CPU run, which `install_loss_scaler` sets.
+        self._backward_context: Any = None
 
     # ------------------------------------------------------------------ config access
     @property
@@ -222,26 +226,18 @@ class DynamicLossScaler(TorchSurface, torch.amp.GradScaler):
 
         No host synchronisation. In `"off"` mode the outputs come back unchanged.
         """
-        kind = type(outputs).__name__
-        if isinstance(outputs, abc.Iterator):  # a generator (torch's scaler takes any iterable): peek
-            head = next(outputs, None)
-            first = _first_tensor_nested(head)
-            outputs = itertools.chain([head], outputs)
-        else:
-            first = _first_tensor_nested(outputs)
-        if first is None:
-            raise ValueError(
-                f"scale() takes a Tensor, or a list, tuple or other iterable of Tensors; got {kind} "
-                "without a Tensor."
-            )
+        first, outputs = _first_tensor_of(outputs)
         self._catch_up()
         if not self.state.materialised:
             self.state.materialise(self._device or first.device)
-        if not self.is_enabled():
+        context = self._backward_context
+        if not self.is_enabled() and context is None:
             return outputs
         per_device: dict[torch.device, torch.Tensor] = {}
 
         def apply(val: Any) -> Any:
+            if isinstance(val, torch.Tensor) and not self.is_enabled():
+                return with_backward_context(val, context)
             if isinstance(val, torch.Tensor):
                 scale = per_device.get(val.device)
                 if scale is None:
@@ -252,7 +248,7 @@ class DynamicLossScaler(TorchSurface, torch.amp.GradScaler):
                 # with them; the step that keeps them is skipped). One op; the probe is read off it.
                 factor = torch.addcmul(scale, val.detach(), self._constants(val.device).zero)
                 self.flags.note_loss(factor, self._scale.device)
-                return val * factor
+                return with_backward_context(val * factor, context)
             if isinstance(val, (list, tuple)):
                 return type(val)(apply(v) for v in val)
             if isinstance(val, abc.Iterable):
@@ -738,6 +734,7 @@ class DynamicLossScaler(TorchSurface, torch.amp.GradScaler):
         state = self.__dict__.copy()
         state["_rule_constants"] = {}  # device constants, made again on first use (so are the flags')
         state.pop("master_weights", None)  # the masters belong to the optimizers
+        state.pop("_backward_context", None)  # the install's, on its accelerator
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -750,6 +747,7 @@ class DynamicLossScaler(TorchSurface, torch.amp.GradScaler):
             state.pop(name, None)
         self.__dict__.update(state)
         self.__dict__.setdefault("_rule_constants", {})
+        self.__dict__.setdefault("_backward_context", None)
         if "flags" not in state:
             self.flags = StepFlags()
             self.flags.probe = old["_loss_probe"]
@@ -760,6 +758,22 @@ class DynamicLossScaler(TorchSurface, torch.amp.GradScaler):
 
     def __repr__(self) -> str:
         return f"DynamicLossScaler({self.config!r}, device={self.device})"
+
+
+def _first_tensor_of(outputs: Any) -> tuple[torch.Tensor, Any]:
+    """scale()'s outputs: their first tensor, and the outputs (a generator peeked at, given back whole)."""
+    kind = type(outputs).__name__
+    if isinstance(outputs, abc.Iterator):  # a generator (torch's scaler takes any iterable): peek
+        head = next(outputs, None)
+        first = _first_tensor_nested(head)
+        outputs = itertools.chain([head], outputs)
+    else:
+        first = _first_tensor_nested(outputs)
+    if first is None:
+        raise ValueError(
+            f"scale() takes a Tensor, or a list, tuple or other iterable of Tensors; got {kind} without a Tensor."
+        )
+    return first, outputs
 
 
 def _first_tensor_nested(value: Any) -> torch.Tensor | None:

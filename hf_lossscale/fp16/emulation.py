@@ -153,6 +153,8 @@ _PASSTHROUGH_PREFIXES = (
 )
 
 _TAG = "_hf_fp16"
+#: The calls that run a backward: see `FP16Emulation._backward`.
+_BACKWARDS = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
 
 
 def _is_fp16(t: Any) -> bool:
@@ -263,6 +265,12 @@ class FP16Emulation(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func in _BACKWARDS:
+            return self._backward(func, args, kwargs)
+        if isinstance(func, torch._ops.OpOverload):
+            # an aten op called as such: what the autograd engine runs while the mode is on during a
+            # backward (the gradients' own arithmetic, which autocast does not type either)
+            return func(*args, **kwargs)
         if _FP32_REGION_DEPTH[0]:  # inside fp32_region(): real FP32, as outside autocast
             return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
@@ -309,6 +317,48 @@ class FP16Emulation(TorchFunctionMode):
         if any(not _is_fp16(t) for t in dimensioned or inputs):
             return out
         return _map_tensors(_tag if name in _EXACT_OPS else _to_fp16, out)
+
+    def _backward(self, func: Any, args: tuple, kwargs: dict) -> Any:
+        """`loss.backward()` / `torch.autograd.backward()` / `torch.autograd.grad()` with this mode on.
+
+        A mode is off while its own `__torch_function__` runs, and the autograd engine keeps the modes
+        that were on when the backward started: called through torch's public functions from here,
+        the backward would run without the emulation, and a forward that gradient checkpointing
+        recomputes during it would be plain FP32 (its outputs unrounded; with `use_reentrant=True`
+        its gradients too, whose underflow then goes unseen). So the engine is started with the mode
+        put back on, as torch's functions start it once they are past their `__torch_function__`
+        check (the same arguments, made ready by torch's own helper)."""
+        from torch.autograd import _make_grads
+        from torch.autograd.graph import _engine_run_backward
+
+        grad = func is torch.autograd.grad
+        if func is torch.Tensor.backward:  # torch calls it as (tensor, gradient=..., ...)
+            outputs, given, inputs = args[0], kwargs.get("gradient"), kwargs.get("inputs")
+        elif grad:  # (outputs, inputs, grad_outputs=..., ...)
+            outputs, inputs, given = args[0], args[1], kwargs.get("grad_outputs")
+        else:  # (tensors, grad_tensors=..., ...)
+            outputs, given, inputs = args[0], kwargs.get("grad_tensors"), kwargs.get("inputs")
+        outputs = (outputs,) if isinstance(outputs, torch.Tensor) else tuple(outputs)
+        if (
+            kwargs.get("is_grads_batched") or kwargs.get("materialize_grads")
+            or kwargs.get("only_inputs", True) is not True
+            or not all(isinstance(t, torch.Tensor) for t in outputs)
+        ):  # fmt: skip
+            # forms not taken apart here (batched or materialised gradients, gradient edges): torch's
+            # own call, whose backward runs without the emulation
+            return func(*args, **kwargs)
+        if given is None or isinstance(given, torch.Tensor):
+            given = (given,) * len(outputs) if given is None else (given,)
+        grads = _make_grads(outputs, tuple(given), is_grads_batched=False)
+        create = bool(kwargs.get("create_graph", False))
+        retain = kwargs.get("retain_graph")
+        inputs = () if inputs is None else (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        with self:
+            result = _engine_run_backward(
+                outputs, grads, create if retain is None else retain, create, inputs,
+                allow_unreachable=bool(kwargs.get("allow_unused")) if grad else True, accumulate_grad=not grad,
+            )  # fmt: skip
+        return result if grad else None
 
     def _rnn_cell_on_cpu(self, func, args, kwargs):
         """`lstm_cell` / `gru_cell` under CPU autocast: FP16 products, so the output is FP16 exactly

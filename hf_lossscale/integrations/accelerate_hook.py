@@ -24,7 +24,7 @@ import functools
 import logging
 import os
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import MethodType
 from typing import Any
 
@@ -403,8 +403,17 @@ def _attach_masters(opt: Any, scaler: DynamicLossScaler) -> None:
 def _cpu_context_factory(fp16_on_cpu: str) -> Callable[[], contextlib.AbstractContextManager]:
     """The FP16 compute context of a CPU run: the one branch between emulation and real autocast."""
     if fp16_on_cpu == "emulate":
-        return functools.partial(fp16_emulation, "cuda")
+        return _emulated_fp16
     return functools.partial(torch.autocast, "cpu", dtype=torch.float16)
+
+
+@contextlib.contextmanager
+def _emulated_fp16() -> Iterator[None]:
+    """The emulation, with CPU autocast off inside it: a forward called under Accelerate's own
+    `accelerator.autocast()` (torch's CPU FP16 autocast) is then emulated, not computed in real FP16
+    on top of the emulation."""
+    with torch.autocast("cpu", enabled=False), fp16_emulation("cuda"):
+        yield
 
 
 def _enable_cpu_fp16(accelerator: Accelerator, fp16_on_cpu: str) -> None:
@@ -419,20 +428,14 @@ def _enable_cpu_fp16(accelerator: Accelerator, fp16_on_cpu: str) -> None:
     for model in accelerator._models:
         _wrap_forward(accelerator.unwrap_model(model, keep_fp32_wrapper=True), context)
     if fp16_on_cpu == "emulate":
-        accelerator.autocast = MethodType(lambda self, autocast_handler=None: context(), accelerator)
-        # Gradient checkpointing recomputes the forward during backward: emulate there too.
-        backward = type(accelerator).backward.__get__(accelerator)
-
-        @functools.wraps(backward)
-        def emulated_backward(loss, **kwargs):
-            with context():
-                return backward(loss, **kwargs)
-
-        accelerator.backward = emulated_backward
+        # `accelerator.backward` calls `scaler.scale(loss).backward()`: the scaled loss runs its backward
+        # under the emulation (gradient checkpointing recomputes the forward there)
+        install.scaler._backward_context = context
     logger.warning(
         "hf_lossscale: FP16 on the CPU is %s (%s); figures from this run are not GPU measurements.",
         "EMULATED" if fp16_on_cpu == "emulate" else "native CPU autocast",
-        "fp16_emulation(policy='cuda')"
+        "fp16_emulation(policy='cuda') in the prepared models' forward and in `accelerator.backward`; "
+        "code of your own under `accelerator.autocast()` is torch's CPU FP16 autocast"
         if fp16_on_cpu == "emulate"
         else "torch.autocast('cpu', float16), ~20x slower",
     )

@@ -63,6 +63,14 @@ INTERNALS = [
     # fp16_products(): a dispatch mode that runs an FP16 model's products on FP32 copies of its inputs
     ("torch.utils._python_dispatch", "TorchDispatchMode"),
     ("torch.utils._pytree", "tree_map"),
+    # the masters' stand-ins and the scaled loss (`core.scaled_loss`) map their own kind in a call's arguments
+    ("torch.utils._pytree", "tree_map_only"),
+    # `FP16Emulation` starts a backward with itself on (a mode is off in its own `__torch_function__`),
+    # as torch's `backward`/`grad` start it past their check: the same helper and engine call
+    ("torch.autograd", "_make_grads"),
+    ("torch.autograd.graph", "_engine_run_backward"),
+    # ... and leaves the aten ops the engine runs during it (`OpOverload`s) as they are
+    ("torch._ops", "OpOverload"),
     ("torch.utils._pytree", "tree_flatten"),
     # the one-pass master kernel (masters/kernel.py) moves step counters as torch's fused Adam does
     ("torch", "_foreach_add_"),
