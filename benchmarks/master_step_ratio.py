@@ -64,7 +64,23 @@ def _timed_step(params, opt, scaler, grads) -> float:
     return elapsed
 
 
-def measure(optimizer: str, width: int, layers: int, repeats: int, device: str = "cpu") -> dict:
+def _functional_step(params, opt, scaler, grads) -> float:
+    """The masters' step with its fused buckets through torch's functional `adam()` (the package's path
+    before 2026-12-07, each bucket's call moving the counters on copies) instead of torch's fused kernel
+    called directly: the A/B of that change, in the same process."""
+    from hf_lossscale.masters import step as chunked
+
+    direct = chunked._fused_counters
+    chunked._fused_counters = lambda *args: None
+    try:
+        return _timed_step(params, opt, scaler, grads)
+    finally:
+        chunked._fused_counters = direct
+
+
+def measure(
+    optimizer: str, width: int, layers: int, repeats: int, device: str = "cpu", functional: bool = False
+) -> dict:
     fp32 = _side(torch.float32, width, layers, optimizer, device)
     masters = _side(torch.float16, width, layers, optimizer, device)
     gen = torch.Generator().manual_seed(1)
@@ -73,19 +89,36 @@ def measure(optimizer: str, width: int, layers: int, repeats: int, device: str =
     ]  # scaled, FP16-representable
     for side in (fp32, masters):  # the first step makes the state (and the masters): not timed
         _timed_step(*side, grads)
-    ratios, t32, t16 = [], [], []
+    # each repeat: FP32, masters (and, with `functional`, FP32 again and the masters' functional path),
+    # forwards on even repeats and backwards on odd ones; each masters time over its neighbouring FP32 one
+    arms = [(_timed_step, fp32), (_timed_step, masters)]
+    if functional:
+        arms += [(_timed_step, fp32), (_functional_step, masters)]
+    times: list[list[float]] = [[] for _ in arms]
     for i in range(repeats):
-        order = (fp32, masters) if i % 2 == 0 else (masters, fp32)
-        times = {id(side): _timed_step(*side, grads) for side in order}
-        t32.append(times[id(fp32)])
-        t16.append(times[id(masters)])
-        ratios.append(t16[-1] / t32[-1])
-    return {
+        for k in range(len(arms)) if i % 2 == 0 else reversed(range(len(arms))):
+            run, side = arms[k]
+            times[k].append(run(*side, grads))
+    ratios = [b / a for a, b in zip(times[0], times[1], strict=True)]
+    row = {
         "optimizer": optimizer, "parameters": sum(p.numel() for p in fp32[0]), "repeats": repeats,
-        "fp32_ms": 1e3 * statistics.median(t32), "masters_ms": 1e3 * statistics.median(t16),
+        "fp32_ms": 1e3 * statistics.median(times[0]), "masters_ms": 1e3 * statistics.median(times[1]),
         "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+        "ratio_quartiles": _quartiles(ratios),
         "skipped": masters[2].stats()["skipped_steps"] + fp32[2].stats()["skipped_steps"],
     }  # fmt: skip
+    if functional:
+        old = [b / a for a, b in zip(times[2], times[3], strict=True)]
+        row["functional"] = {
+            "masters_ms": 1e3 * statistics.median(times[3]), "ratio": statistics.median(old),
+            "ratio_min": min(old), "ratio_max": max(old), "ratio_quartiles": _quartiles(old),
+        }  # fmt: skip
+    return row
+
+
+def _quartiles(values: list[float]) -> list[float]:
+    q = statistics.quantiles(values, n=4) if len(values) > 1 else values * 3
+    return [q[0], q[2]]
 
 
 def profile(optimizer: str, width: int, layers: int) -> str:
@@ -118,6 +151,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="ELEMENTS",
         help="the chunked update's bucket, fixed to each of these sizes in turn (default: the package's rule)",
     )
+    ap.add_argument(
+        "--functional-arm",
+        action="store_true",
+        help="fused AdamW: also time the masters' buckets through torch's functional adam() (the earlier path)",
+    )
     ap.add_argument("--json", help="write the rows here (atomically)")
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
@@ -130,13 +168,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for bucket, name in [(b, n) for b in args.bucket or [None] for n in args.optimizers]:
             chunked.UPDATE_BUCKET = rule if bucket is None else (bucket, bucket)
-            row = measure(name, args.width, args.layers, args.repeats, args.device)
+            functional = args.functional_arm and name == "adamw_fused"
+            row = measure(name, args.width, args.layers, args.repeats, args.device, functional)
             row["bucket"] = bucket
             rows.append(row)
             where = "" if bucket is None else f" bucket {bucket}"
+            q1, q3 = row["ratio_quartiles"]
             print(f"{name:14s} {row['parameters'] / 1e6:.1f}M params{where}: FP32 weights {row['fp32_ms']:.1f} ms, "
-                  f"masters {row['masters_ms']:.1f} ms, x{row['ratio']:.2f} (per repeat x{row['ratio_min']:.2f}.."
-                  f"x{row['ratio_max']:.2f}, {row['repeats']} repeats)", flush=True)  # fmt: skip
+                  f"masters {row['masters_ms']:.1f} ms, x{row['ratio']:.2f} (quartiles x{q1:.2f}..x{q3:.2f}, "
+                  f"per repeat x{row['ratio_min']:.2f}..x{row['ratio_max']:.2f}, {row['repeats']} repeats)",
+                  flush=True)  # fmt: skip
+            if functional:
+                old = row["functional"]
+                q1, q3 = old["ratio_quartiles"]
+                print(f"{'':14s} through torch's functional adam(): masters {old['masters_ms']:.1f} ms, "
+                      f"x{old['ratio']:.2f} (quartiles x{q1:.2f}..x{q3:.2f}, per repeat x{old['ratio_min']:.2f}.."
+                      f"x{old['ratio_max']:.2f})", flush=True)  # fmt: skip
             if args.profile:
                 print(profile(name, args.width, args.layers))
     finally:

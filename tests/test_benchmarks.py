@@ -456,3 +456,41 @@ def test_master_step_ratio_gives_every_repeat_the_same_gradients(optimizer):
             bench._timed_step(*side, grads)
         assert side[2].stats()["skipped_steps"] == 0
         assert all(torch.equal(g, b) for g, b in zip(grads, before, strict=True)), dtype
+
+
+def test_master_step_ratio_functional_arm_runs_the_other_path(monkeypatch, tmp_path):
+    """`--functional-arm`: its masters' steps go through torch's functional `adam()` (the path before
+    the direct fused kernel), the main arm's do not, and the package's path is back afterwards. Bug
+    caught: an A/B whose two arms run the same code (the switch not taking, or left switched)."""
+    import torch
+
+    from hf_lossscale.masters import step as chunked
+
+    bench = load("master_step_ratio")
+    calls = []
+    functional = chunked._adam
+    monkeypatch.setattr(chunked, "_adam", lambda *a, **k: calls.append(1) or functional(*a, **k))
+    side = bench._side(torch.float16, 16, 2, "adamw_fused")
+    grads = [torch.randn(p.shape) * 2.0**-4 for p in side[0]]
+    bench._timed_step(*side, grads)
+    assert calls == []
+    bench._functional_step(*side, grads)
+    assert calls
+    calls.clear()
+    bench._timed_step(*side, grads)
+    assert calls == []
+    out = tmp_path / "r.json"
+    argv = [
+        "--width",
+        "32",
+        "--repeats",
+        "3",
+        "--optimizers",
+        "adamw_fused",
+        "--functional-arm",
+        "--json",
+        str(out),
+    ]
+    assert bench.main(argv) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["functional"]["masters_ms"] > 0 and row["ratio_quartiles"][0] <= row["ratio_quartiles"][1]

@@ -44,7 +44,8 @@ def _optimizers():
 def test_the_chunked_update_is_torchs_bitwise(cls, kw, foreach, fused, bucket):
     """Catches: a tensor cut mid-vector (the CPU kernels' scalar tail rounds differently), a step counter
     moved once per chunk instead of once per parameter, SGD's first momentum buffer lost between chunks,
-    the fused kernel's `grad_scale` not passed."""
+    the fused kernel's `grad_scale` not passed, and (fused: the second of four steps skipped on its
+    `found_inf`) a counter left moved on a skipped step, a skipped step that updates."""
     torch.manual_seed(0)
     values = [torch.randn(s) for s in SHAPES]
     ref = [torch.nn.Parameter(v.clone()) for v in values]
@@ -52,12 +53,13 @@ def test_the_chunked_update_is_torchs_bitwise(cls, kw, foreach, fused, bucket):
     o_ref = cls(ref, foreach=foreach, fused=fused, **kw)
     o_sub = cls(sub, foreach=foreach, fused=fused, **kw)
     scale = torch.tensor(8.0) if fused else None
-    for _ in range(3):
+    for t in range(4 if fused else 3):
         grads = [torch.randn(s) * (8.0 if fused else 1.0) for s in SHAPES]
         for p, g in zip(ref, grads, strict=True):
             p.grad = g.clone()
+        found = torch.tensor(1.0 if t == 1 else 0.0)
         if fused:
-            o_ref.grad_scale, o_ref.found_inf = scale, torch.tensor(0.0)
+            o_ref.grad_scale, o_ref.found_inf = scale, found
         o_ref.step()
         slots = [
             Slot(
@@ -70,7 +72,7 @@ def test_the_chunked_update_is_torchs_bitwise(cls, kw, foreach, fused, bucket):
             )
             for p, g in zip(sub, grads, strict=True)
         ]
-        run_chunked(o_sub, o_sub.param_groups[0], slots, scale, torch.tensor(0.0) if fused else None, bucket)
+        run_chunked(o_sub, o_sub.param_groups[0], slots, scale, found if fused else None, bucket)
     for a, b in zip(ref, sub, strict=True):
         assert torch.equal(a, b)
     s_ref, s_sub = o_ref.state_dict()["state"], o_sub.state_dict()["state"]

@@ -63,6 +63,7 @@ INTERNALS = [
     # fp16_products(): a dispatch mode that runs an FP16 model's products on FP32 copies of its inputs
     ("torch.utils._python_dispatch", "TorchDispatchMode"),
     ("torch.utils._pytree", "tree_map"),
+    ("torch.utils._pytree", "tree_flatten"),
     # the masters' stand-ins and the scaled loss (`core.scaled_loss`) map their own kind in a call's arguments
     ("torch.utils._pytree", "tree_map_only"),
     # `FP16Emulation` starts a backward with itself on (a mode is off in its own `__torch_function__`),
@@ -71,10 +72,13 @@ INTERNALS = [
     ("torch.autograd.graph", "_engine_run_backward"),
     # ... and leaves the aten ops the engine runs during it (`OpOverload`s) as they are
     ("torch._ops", "OpOverload"),
-    ("torch.utils._pytree", "tree_flatten"),
-    # the one-pass master kernel (masters/kernel.py) moves step counters as torch's fused Adam does
+    # the one-pass master kernel (masters/kernel.py) and the chunked fused step (masters/step.py) move
+    # step counters as torch's fused Adam does, and the chunked step calls torch's fused kernels as its
+    # `_fused_adam` calls them
     ("torch", "_foreach_add_"),
     ("torch", "_foreach_sub_"),
+    ("torch", "_fused_adam_"),
+    ("torch", "_fused_adamw_"),
     # master weights (masters/): the FP16 gradients read into the masters and the weights
     # written back in one kernel per dtype; a weight written from outside seen by its version counter;
     # the marker left on an FP16 `.grad` reads its own metadata without its own __torch_function__
