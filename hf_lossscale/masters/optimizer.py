@@ -482,8 +482,15 @@ class OptimizerMasters:
         cast = pending is not None
         flat = grad.is_contiguous() and half.is_contiguous() and (pair.shell or pair.master.is_contiguous())
 
+        flats: dict[int, torch.Tensor] = {}  # each tensor's flat view, made once for the step's buckets
+
         def part(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
-            return t.view(-1)[a:b] if flat else t
+            if not flat:
+                return t
+            whole = flats.get(id(t))
+            if whole is None:
+                whole = flats[id(t)] = t.view(-1)
+            return whole[a:b]
 
         def kept(a: int, b: int, new: torch.Tensor, old: torch.Tensor) -> torch.Tensor:
             # a step the fused kernel skipped on the device leaves the stored value bitwise as it was

@@ -358,7 +358,10 @@ def cast_chunk(
     cast into the master and unscaled there (the same two roundings); a copy (into `out`, an FP32
     tensor of its elements, where given), also of an FP32 one (the gradient of a model cast with
     `model.float()`), which the unscale must not write into."""
-    out = grad.to(torch.float32, copy=True) if out is None else out.view(grad.shape).copy_(grad)
+    if out is None:
+        out = grad.to(torch.float32, copy=True)
+    else:
+        out = (out if out.shape == grad.shape else out.view(grad.shape)).copy_(grad)
     return out if factor is None else out.mul_(factor)
 
 

@@ -196,10 +196,21 @@ def run_chunked(
 
 
 class _Scratch:
-    """One FP32 buffer for the chunks' gradients of a step, grown to the largest part it serves."""
+    """What a step keeps across its buckets: one FP32 buffer for the chunks' gradients, grown to the
+    largest part it serves, and the state tensors' flat views (made once, not per chunk)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device, self.buffer = device, None
+        self.flats: dict[int, torch.Tensor] = {}
+
+    def part(self, t: torch.Tensor, flat: bool, a: int, b: int) -> torch.Tensor:
+        """`_part(t, flat, a, b)`, on a flat view of `t` kept for the step."""
+        if not flat:
+            return t
+        whole = self.flats.get(id(t))
+        if whole is None:
+            whole = self.flats[id(t)] = t.view(-1)
+        return whole[a:b]
 
     def grads(self, chunks: list[tuple[Slot, int, int]]) -> list[torch.Tensor]:
         buffered = [slot.flat and slot.casts for slot, _, _ in chunks]
@@ -254,7 +265,7 @@ def _run_part(
     if kind == "adam":
 
         def parts(key: str) -> list[torch.Tensor]:  # each chunk's view of one state tensor
-            return [_part(states[id(slot.key)][key], slot.flat, a, b) for slot, a, b in chunks]
+            return [scratch.part(states[id(slot.key)][key], slot.flat, a, b) for slot, a, b in chunks]
 
         beta1, beta2 = group["betas"]
     if kind == "adam" and counters_moved:  # see _fused_counters
