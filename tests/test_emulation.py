@@ -242,6 +242,31 @@ def test_gradient_checkpointing_under_the_emulation_gives_the_run_without_it(ree
     assert torch.equal(plain, checkpointed)
 
 
+def test_backward_inputs_are_taken_as_torch_takes_them():
+    """`loss.backward(inputs=...)` under the emulation: a dict's values, and an empty list refused, as torch
+    does. Bug caught (a review found it): the inputs iterated raw (a dict's keys; an empty list meaning
+    every leaf)."""
+    w, v = torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(3))
+    with fp16_emulation():
+        loss = (w * v).sum()
+        loss.backward(inputs={"w": w}, retain_graph=True)
+        assert w.grad is not None and v.grad is None
+        with pytest.raises(RuntimeError, match="cannot be empty"):
+            loss.backward(inputs=[])
+
+
+def test_an_aten_op_called_in_the_forward_is_still_emulated():
+    """Only a backward's aten ops (which `fp16_products()` dispatches again from Python) pass the mode
+    untouched. Bug caught (a review found it): every `torch.ops.aten` call let through, so an aten op in a
+    model's forward followed no policy (its FP16 result neither rounded nor tagged)."""
+    x = torch.full((4,), 1.2e-4)
+    with fp16_emulation():
+        h = torch.mm(x.view(1, 4), torch.eye(4))  # virtually FP16
+        out = torch.ops.aten.add.Tensor(h, 1e-4)
+    assert getattr(out, "_hf_fp16", False)
+    assert torch.equal(out, out.half().float())
+
+
 def test_gradient_checkpointing_needs_the_backward_inside_the_emulation():
     """The other side of the test above: a backward outside the context recomputes in plain FP32, so
     the underflow the emulation shows is gone from the checkpointed layers (this is what the docs'

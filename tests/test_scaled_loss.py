@@ -90,3 +90,19 @@ def test_a_hook_reading_a_masters_gradient_during_the_backward_reads_it_under_th
         scaler.scale(out.pow(2).mean()).backward()
         seen.append(read[0])
     assert seen[0] > 0 and seen[0] == seen[1]
+
+
+def test_formats_as_the_loss_and_is_plain_under_torch_compile():
+    """Bugs caught (a review found both): `f"{loss:.3f}"` raising on the subclass, and `scale()` inside a
+    compiled function making the subclass, which aot_autograd cannot trace (the multiple-dispatch error)."""
+    scaler = DynamicLossScaler(LossScaleConfig(init_scale=8.0))
+    scaler._backward_context = recording()[1]
+    loss = torch.tensor(1.25, requires_grad=True)
+    assert f"{scaler.scale(loss):.2f}" == "10.00"
+
+    @torch.compile(backend="aot_eager")
+    def scaled(x):
+        return scaler.scale(x * 2)
+
+    out = scaled(loss)
+    assert type(out) is torch.Tensor and out.item() == 20.0

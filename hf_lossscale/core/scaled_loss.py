@@ -46,6 +46,9 @@ class ScaledLoss(torch.Tensor):
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
+    def __format__(self, spec: str) -> str:  # `f"{loss:.3f}"`, as on the plain loss
+        return format(_plain(self), spec)
+
 
 def with_backward_context(
     value: torch.Tensor, context: Callable[[], contextlib.AbstractContextManager] | None

@@ -230,7 +230,7 @@ class DynamicLossScaler(TorchSurface, torch.amp.GradScaler):
         self._catch_up()
         if not self.state.materialised:
             self.state.materialise(self._device or first.device)
-        context = self._backward_context
+        context = None if tracing_or_capturing() else self._backward_context  # (a subclass does not trace)
         if not self.is_enabled() and context is None:
             return outputs
         per_device: dict[torch.device, torch.Tensor] = {}

@@ -260,6 +260,7 @@ class FP16Emulation(TorchFunctionMode):
         if policy not in POLICIES:
             raise ValueError(f"fp16_emulation policy={policy!r} is not one of {sorted(POLICIES)}.")
         self.policy = policy
+        self._in_backward = False  # `_backward` is running a backward with the mode on
         self.fp32_ops = POLICIES[policy]
         self.fp16_ops = FP16_OPS_BY_POLICY[policy]
 
@@ -267,9 +268,9 @@ class FP16Emulation(TorchFunctionMode):
         kwargs = kwargs or {}
         if func in _BACKWARDS:
             return self._backward(func, args, kwargs)
-        if isinstance(func, torch._ops.OpOverload):
-            # an aten op called as such: what the autograd engine runs while the mode is on during a
-            # backward (the gradients' own arithmetic, which autocast does not type either)
+        if self._in_backward and isinstance(func, torch._ops.OpOverload):
+            # an aten op called as such during a backward (`fp16_products()` dispatches the engine's ops
+            # again from Python): the gradients' own arithmetic, which autocast does not type either
             return func(*args, **kwargs)
         if _FP32_REGION_DEPTH[0]:  # inside fp32_region(): real FP32, as outside autocast
             return func(*args, **kwargs)
@@ -352,12 +353,22 @@ class FP16Emulation(TorchFunctionMode):
         grads = _make_grads(outputs, tuple(given), is_grads_batched=False)
         create = bool(kwargs.get("create_graph", False))
         retain = kwargs.get("retain_graph")
-        inputs = () if inputs is None else (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+        if isinstance(inputs, dict):  # as torch's backward and grad take them
+            inputs = tuple(inputs.values())
+        elif inputs is not None:
+            inputs = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+            if not inputs:
+                raise RuntimeError("`inputs` argument to `backward()` cannot be empty.")
+        inputs = inputs or ()
+        outer, self._in_backward = self._in_backward, True
         with self:
-            result = _engine_run_backward(
-                outputs, grads, create if retain is None else retain, create, inputs,
-                allow_unreachable=bool(kwargs.get("allow_unused")) if grad else True, accumulate_grad=not grad,
-            )  # fmt: skip
+            try:
+                result = _engine_run_backward(
+                    outputs, grads, create if retain is None else retain, create, inputs,
+                    allow_unreachable=bool(kwargs.get("allow_unused")) if grad else True, accumulate_grad=not grad,
+                )  # fmt: skip
+            finally:
+                self._in_backward = outer
         return result if grad else None
 
     def _rnn_cell_on_cpu(self, func, args, kwargs):

@@ -5,8 +5,9 @@ Nothing here patches Accelerate globally. On the one `Accelerator` it is given, 
 (a `LossScaleInstall`), and wraps three of its methods: `prepare_model` and `prepare_optimizer` (so
 what is prepared later gets the scaler and the FP16 compute) and `clip_grad_norm_` (one read of the
 gradients). On a CPU it also turns `native_amp` on
-(Accelerate's gate for unscaling), and, when FP16 is emulated, wraps `autocast` and `backward` in the
-emulation (native CPU FP16 is Accelerate's own autocast). Optimizers are wrapped through
+(Accelerate's gate for unscaling); when FP16 is emulated, the prepared models' forward runs under the
+emulation and the scaler's scaled loss runs its backward under it (`core.scaled_loss`), so
+`accelerator.backward` and `accelerator.autocast` stay Accelerate's own. Optimizers are wrapped through
 `AcceleratedOptimizer`'s own constructor; only where accelerate issue 4242 exists
 (`compat.accelerate_has_4242`) are they `LossScaledOptimizer`s.
 
