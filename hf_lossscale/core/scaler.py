@@ -224,7 +224,8 @@ class DynamicLossScaler(TorchSurface, torch.amp.GradScaler):
     def scale(self, outputs: Any) -> Any:
         """Multiply a tensor, or nested lists/tuples of tensors, by the current scale.
 
-        No host synchronisation. In `"off"` mode the outputs come back unchanged.
+        No host synchronisation. In `"off"` mode the outputs come back unchanged (values; with a backward
+        context, emulated CPU FP16, as `ScaledLoss`es whose backward runs under it).
         """
         first, outputs = _first_tensor_of(outputs)
         self._catch_up()
