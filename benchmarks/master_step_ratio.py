@@ -8,7 +8,11 @@ with their spread (min, max) as the noise. Optimizers: AdamW fused, AdamW foreac
 (foreach). Where the time goes on the masters' side is printed with `--profile` (per aten op).
 
     python benchmarks/master_step_ratio.py [--width 4096] [--repeats 9] [--device cuda] [--json OUT]
-    python benchmarks/master_step_ratio.py --width 1024 --bucket 65536 524288   # the bucket's size
+    python benchmarks/master_step_ratio.py --chunked-arm   # also the step without the CPU kernel
+    python benchmarks/master_step_ratio.py --width 1024 --bucket 65536 524288   # the chunked update's bucket
+
+On a CPU the masters' fused AdamW and SGD steps run `masters/cpu_kernel.py` where it builds (one pass);
+`--chunked-arm` times the chunked update beside it (the kernel set aside), whose bucket `--bucket` sets.
 
 Ctrl-C or SIGTERM stops it; the JSON is written at the end, atomically.
 """
@@ -64,22 +68,22 @@ def _timed_step(params, opt, scaler, grads) -> float:
     return elapsed
 
 
-def _functional_step(params, opt, scaler, grads) -> float:
-    """The masters' step with its fused buckets through torch's functional `adam()` (the package's path
-    before 2026-12-07, each bucket's call moving the counters on copies) instead of torch's fused kernel
-    called directly: the A/B of that change, in the same process."""
-    from hf_lossscale.masters import step as chunked
+def _chunked_step(params, opt, scaler, grads) -> float:
+    """The masters' step with the CPU kernel (`masters/cpu_kernel.py`) set aside: the chunked update of
+    `masters/step.py`, the path before 2026-12-07 and where the kernel cannot build: the A/B of the
+    kernel, in the same process."""
+    from hf_lossscale.masters import cpu_kernel
 
-    direct = chunked._fused_counters
-    chunked._fused_counters = lambda *args: None
+    kernel = cpu_kernel.reason
+    cpu_kernel.reason = lambda: "set aside by --chunked-arm"
     try:
         return _timed_step(params, opt, scaler, grads)
     finally:
-        chunked._fused_counters = direct
+        cpu_kernel.reason = kernel
 
 
 def measure(
-    optimizer: str, width: int, layers: int, repeats: int, device: str = "cpu", functional: bool = False
+    optimizer: str, width: int, layers: int, repeats: int, device: str = "cpu", chunked: bool = False
 ) -> dict:
     fp32 = _side(torch.float32, width, layers, optimizer, device)
     masters = _side(torch.float16, width, layers, optimizer, device)
@@ -89,11 +93,11 @@ def measure(
     ]  # scaled, FP16-representable
     for side in (fp32, masters):  # the first step makes the state (and the masters): not timed
         _timed_step(*side, grads)
-    # each repeat: FP32, masters (and, with `functional`, FP32 again and the masters' functional path),
+    # each repeat: FP32, masters (and, with `chunked`, FP32 again and the masters' chunked update),
     # forwards on even repeats and backwards on odd ones; each masters time over its neighbouring FP32 one
     arms = [(_timed_step, fp32), (_timed_step, masters)]
-    if functional:
-        arms += [(_timed_step, fp32), (_functional_step, masters)]
+    if chunked:
+        arms += [(_timed_step, fp32), (_chunked_step, masters)]
     times: list[list[float]] = [[] for _ in arms]
     for i in range(repeats):
         for k in range(len(arms)) if i % 2 == 0 else reversed(range(len(arms))):
@@ -107,9 +111,9 @@ def measure(
         "ratio_quartiles": _quartiles(ratios),
         "skipped": masters[2].stats()["skipped_steps"] + fp32[2].stats()["skipped_steps"],
     }  # fmt: skip
-    if functional:
+    if chunked:
         old = [b / a for a, b in zip(times[2], times[3], strict=True)]
-        row["functional"] = {
+        row["chunked"] = {
             "masters_ms": 1e3 * statistics.median(times[3]), "ratio": statistics.median(old),
             "ratio_min": min(old), "ratio_max": max(old), "ratio_quartiles": _quartiles(old),
         }  # fmt: skip
@@ -152,9 +156,9 @@ def main(argv: list[str] | None = None) -> int:
         help="the chunked update's bucket, fixed to each of these sizes in turn (default: the package's rule)",
     )
     ap.add_argument(
-        "--functional-arm",
+        "--chunked-arm",
         action="store_true",
-        help="fused AdamW: also time the masters' buckets through torch's functional adam() (the earlier path)",
+        help="on a CPU: also time the masters' step with the CPU kernel set aside (the chunked update)",
     )
     ap.add_argument("--json", help="write the rows here (atomically)")
     args = ap.parse_args(argv)
@@ -168,8 +172,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for bucket, name in [(b, n) for b in args.bucket or [None] for n in args.optimizers]:
             chunked.UPDATE_BUCKET = rule if bucket is None else (bucket, bucket)
-            functional = args.functional_arm and name == "adamw_fused"
-            row = measure(name, args.width, args.layers, args.repeats, args.device, functional)
+            chunked_arm = args.chunked_arm and args.device == "cpu"
+            row = measure(name, args.width, args.layers, args.repeats, args.device, chunked_arm)
             row["bucket"] = bucket
             rows.append(row)
             where = "" if bucket is None else f" bucket {bucket}"
@@ -178,10 +182,10 @@ def main(argv: list[str] | None = None) -> int:
                   f"masters {row['masters_ms']:.1f} ms, x{row['ratio']:.2f} (quartiles x{q1:.2f}..x{q3:.2f}, "
                   f"per repeat x{row['ratio_min']:.2f}..x{row['ratio_max']:.2f}, {row['repeats']} repeats)",
                   flush=True)  # fmt: skip
-            if functional:
-                old = row["functional"]
+            if chunked_arm:
+                old = row["chunked"]
                 q1, q3 = old["ratio_quartiles"]
-                print(f"{'':14s} through torch's functional adam(): masters {old['masters_ms']:.1f} ms, "
+                print(f"{'':14s} the chunked update (no CPU kernel): masters {old['masters_ms']:.1f} ms, "
                       f"x{old['ratio']:.2f} (quartiles x{q1:.2f}..x{q3:.2f}, per repeat x{old['ratio_min']:.2f}.."
                       f"x{old['ratio_max']:.2f})", flush=True)  # fmt: skip
             if args.profile:

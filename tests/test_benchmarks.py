@@ -458,27 +458,34 @@ def test_master_step_ratio_gives_every_repeat_the_same_gradients(optimizer):
         assert all(torch.equal(g, b) for g, b in zip(grads, before, strict=True)), dtype
 
 
-def test_master_step_ratio_functional_arm_runs_the_other_path(monkeypatch, tmp_path):
-    """`--functional-arm`: its masters' steps go through torch's functional `adam()` (the path before
-    the direct fused kernel), the main arm's do not, and the package's path is back afterwards. Bug
-    caught: an A/B whose two arms run the same code (the switch not taking, or left switched)."""
+def test_master_step_ratio_chunked_arm_runs_the_other_path(monkeypatch, tmp_path):
+    """`--chunked-arm`: its masters' steps go through the chunked update (torch's fused kernel per
+    bucket), the main arm's through the CPU kernel where it builds, and the package's path is back
+    afterwards. Bug caught: an A/B whose two arms run the same code (the switch not taking, or left
+    switched)."""
     import torch
 
+    from hf_lossscale.masters import cpu_kernel
     from hf_lossscale.masters import step as chunked
 
     bench = load("master_step_ratio")
     calls = []
-    functional = chunked._adam
-    monkeypatch.setattr(chunked, "_adam", lambda *a, **k: calls.append(1) or functional(*a, **k))
+    real = chunked.run_chunked
+    monkeypatch.setattr(chunked, "run_chunked", lambda *a, **k: calls.append(1) or real(*a, **k))
+    import hf_lossscale.masters.optimizer as mw
+
+    monkeypatch.setattr(mw, "run_chunked", chunked.run_chunked)
     side = bench._side(torch.float16, 16, 2, "adamw_fused")
     grads = [torch.randn(p.shape) * 2.0**-4 for p in side[0]]
     bench._timed_step(*side, grads)
-    assert calls == []
-    bench._functional_step(*side, grads)
-    assert calls
+    kernel = cpu_kernel.reason() is None
+    assert calls == ([] if kernel else [1])
+    calls.clear()
+    bench._chunked_step(*side, grads)
+    assert calls == [1]
     calls.clear()
     bench._timed_step(*side, grads)
-    assert calls == []
+    assert calls == ([] if kernel else [1])
     out = tmp_path / "r.json"
     argv = [
         "--width",
@@ -487,10 +494,10 @@ def test_master_step_ratio_functional_arm_runs_the_other_path(monkeypatch, tmp_p
         "3",
         "--optimizers",
         "adamw_fused",
-        "--functional-arm",
+        "--chunked-arm",
         "--json",
         str(out),
     ]
     assert bench.main(argv) == 0
     (row,) = json.loads(out.read_text())["rows"]
-    assert row["functional"]["masters_ms"] > 0 and row["ratio_quartiles"][0] <= row["ratio_quartiles"][1]
+    assert row["chunked"]["masters_ms"] > 0 and row["ratio_quartiles"][0] <= row["ratio_quartiles"][1]

@@ -174,18 +174,20 @@ def test_a_skipped_step_writes_nothing_and_leaves_the_counter(device):
     assert all(float(ours.state[k]["step"]) == 1 for k in keys)
 
 
-def test_the_kernel_refuses_what_it_does_not_compute():
+def test_the_kernel_refuses_what_it_does_not_compute(monkeypatch):
     key = torch.zeros(4, requires_grad=True)
     slot = OnePassSlot(
         key, torch.zeros(4, dtype=torch.float16), None, torch.zeros(4), torch.zeros(4, dtype=torch.float16)
     )
-    sgd = torch.optim.SGD([key], lr=0.1)
-    assert one_pass_reason(sgd, sgd.param_groups[0], [slot]) == "not Adam or AdamW"
+    rprop = torch.optim.Rprop([key])
+    assert one_pass_reason(rprop, rprop.param_groups[0], [slot]) == "not Adam, AdamW or SGD"
+    adamw = torch.optim.AdamW([key])  # on a CPU: the CPU kernel's choice (tests/test_master_cpu_kernel.py)
+    assert "not fused=True" in one_pass_reason(adamw, adamw.param_groups[0], [slot])
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the Triton kernel's own refusals
     ams = torch.optim.AdamW([key], amsgrad=True)
     assert "amsgrad" in one_pass_reason(ams, ams.param_groups[0], [slot])
-    adamw = torch.optim.AdamW([key])
-    reason = one_pass_reason(adamw, adamw.param_groups[0], [slot])
-    assert reason == "not on CUDA"
+    sgd = torch.optim.SGD([key], lr=0.1)
+    assert "SGD off a CPU" in one_pass_reason(sgd, sgd.param_groups[0], [slot])
     bf16 = OnePassSlot(key, slot.grad, None, slot.master, torch.zeros(4, dtype=torch.bfloat16))
     assert one_pass_reason(adamw, adamw.param_groups[0], [bf16]) == "not an FP16 weight"
 

@@ -40,6 +40,8 @@ from typing import Any, NamedTuple
 
 import torch
 
+from . import cpu_kernel
+
 __all__ = ["OnePassSlot", "one_pass_reason", "run_one_pass", "triton_available"]
 
 #: Elements per loop iteration of a program, and per program (a program loops over its chunk).
@@ -84,15 +86,22 @@ def _interpreting() -> bool:
 
 def one_pass_reason(optimizer: torch.optim.Optimizer, group: dict, slots: list[OnePassSlot]) -> str | None:
     """None when the kernel can run this group's update of `slots`; otherwise why not (in words)."""
-    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW):
-        return "not Adam or AdamW"
-    if group["amsgrad"] or group["maximize"] or group.get("differentiable"):
-        return "amsgrad, maximize or differentiable"
+    if type(optimizer) not in (torch.optim.Adam, torch.optim.AdamW, torch.optim.SGD):
+        return "not Adam, AdamW or SGD"
+    if group.get("differentiable"):
+        return "differentiable=True"
     if torch.is_tensor(group["lr"]):
         return "a tensor learning rate"
     devices = {s.master.device for s in slots}
     if len(devices) > 1:
         return "parameters on several devices"
+    device = next(iter(devices), torch.device("cpu"))
+    on_cpu = device.type == "cpu" and not _interpreting()
+    sgd = type(optimizer) is torch.optim.SGD
+    if sgd and not on_cpu:
+        return "SGD off a CPU (the CUDA kernel computes Adam and AdamW)"
+    if not on_cpu and (group["amsgrad"] or group["maximize"]):
+        return "amsgrad or maximize (the CUDA kernel computes neither)"
     for s in slots:
         if s.grad.dtype != torch.float16 or s.master.dtype != torch.float32:
             return "not an FP16 gradient with an FP32 master"
@@ -102,8 +111,16 @@ def one_pass_reason(optimizer: torch.optim.Optimizer, group: dict, slots: list[O
             return "not an FP16 weight"
         if not (s.grad.is_contiguous() and s.master.is_contiguous() and s.weight.is_contiguous()):
             return "a non-contiguous tensor"
-        if s.master.device.type != "cuda" and not _interpreting():
-            return "not on CUDA"
+    if on_cpu:  # `cpu_adam.c`: torch's fused Adam/AdamW arithmetic, and its for-loop/foreach SGD
+        if sgd and group["fused"]:
+            return "SGD with fused=True on a CPU (the CPU kernel computes its for-loop/foreach arithmetic)"
+        if not sgd and not group["fused"]:
+            return "Adam/AdamW on a CPU, not fused=True (the CPU kernel computes torch's fused arithmetic)"
+        if not sgd and any(torch.is_tensor(b) for b in group["betas"]):
+            return "tensor betas"
+        return cpu_kernel.reason()
+    if device.type != "cuda" and not _interpreting():
+        return f"not on CUDA or a CPU ({device.type})"
     if not triton_available():
         return "Triton is not installed"
     return None
@@ -261,13 +278,16 @@ def run_one_pass(
     if not slots:
         return True
     device = slots[0].master.device
+    if device.type == "cpu" and not _interpreting():
+        return cpu_kernel.step(optimizer, group, slots, state_of, grad_scale, found_inf)
     if _capturing(device):
         return False
     states = [state_of(s.key) for s in slots]
     steps = [st["step"] for st in states]
     on_device = [_counter_on_device(step, slot.master) for slot, step in zip(slots, steps, strict=True)]
+    moments = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
     for slot, st in zip(slots, states, strict=True):
-        for name in ("exp_avg", "exp_avg_sq"):
+        for name in moments:
             m = st[name]
             if (
                 m.dtype != torch.float32
@@ -318,4 +338,12 @@ def run_one_pass(
                 )  # fmt: skip
         if found_inf is not None:
             torch._foreach_sub_(steps, [found_inf.to(device)] * len(steps))
+    # written through their addresses: their version counters move, as torch's in-place ops move them
+    torch.autograd.graph.increment_version(
+        [
+            t
+            for s, st in zip(slots, states, strict=True)
+            for t in (s.master, s.weight, st["exp_avg"], st["exp_avg_sq"])
+        ]
+    )
     return True

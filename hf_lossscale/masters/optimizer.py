@@ -437,12 +437,16 @@ class OptimizerMasters:
         try:
             for group, pairs in work:
                 one_pass = self._one_pass_slots(optimizer, group, pairs)
-                # CUDA with Triton: one kernel launch for the group (False: the kernel declined before
-                # touching anything: a CUDA graph capture, a host counter with a device flag, ...)
+                # one kernel for the group: Triton's on CUDA, `cpu_adam.c` on a CPU (False: the kernel
+                # declined before touching anything: a CUDA graph capture, a host counter with a device
+                # flag, SGD's first step, ...)
+                if isinstance(optimizer, torch.optim.SGD):
+                    state_of = optimizer.state.__getitem__
+                else:
+                    state_of = functools.partial(adam_state, optimizer, group)
                 if one_pass is None or not run_one_pass(
-                    optimizer, group, one_pass, lambda key, g=group: adam_state(optimizer, g, key), grad_scale,
-                    found_inf,
-                ):  # fmt: skip
+                    optimizer, group, one_pass, state_of, grad_scale, found_inf
+                ):
                     run_chunked(
                         optimizer, group, [self._slot(p, found_inf) for p in pairs], grad_scale, found_inf
                     )
@@ -468,7 +472,8 @@ class OptimizerMasters:
         self, optimizer: torch.optim.Optimizer, group: dict, pairs: list[Pair]
     ) -> list | None:
         """The kernel's slots when `masters.kernel` can run this group's update (FP32 masters whose FP16
-        gradients are pending, Adam/AdamW, CUDA, Triton); None otherwise."""
+        gradients are pending; Adam/AdamW on CUDA with Triton, fused Adam/AdamW or SGD on a CPU with
+        `cpu_kernel`); None otherwise."""
         if any(p.shell or p.live_pending() is None for p in pairs):
             return None
         slots = [OnePassSlot(p.master, p.pending, p.factor, p.master, p.half) for p in pairs]
