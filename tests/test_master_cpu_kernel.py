@@ -34,11 +34,15 @@ OPTIMIZERS = {
         ps, lr=1e-2, momentum=0.5, dampening=0.1, maximize=True
     ),
     "sgd_plain_wd": lambda ps: torch.optim.SGD(ps, lr=1e-2, weight_decay=0.01),
+    "sgd_maximize": lambda ps: torch.optim.SGD(ps, lr=1e-2, maximize=True),
 }
 #: The kernel's calls in five steps, the third overflowing: a fused Adam's skip is the kernel's (on the
 #: device), SGD's the scaler's (no step); SGD's first step, which makes the momentum buffers, is the
 #: chunked update's.
-CALLS = {"sgd_momentum": 3, "sgd_nesterov_wd_foreach": 3, "sgd_dampening_maximize": 3, "sgd_plain_wd": 4}
+CALLS = {
+    "sgd_momentum": 3, "sgd_nesterov_wd_foreach": 3, "sgd_dampening_maximize": 3, "sgd_plain_wd": 4,
+    "sgd_maximize": 4,
+}  # fmt: skip
 
 
 def _prerequisites() -> bool:
@@ -84,6 +88,8 @@ def _sides(kind: str, seed: int = 0):
     """FP32 weights and FP16 weights on masters with the same values and optimizer."""
     gen = torch.Generator().manual_seed(seed)
     values = [(torch.randn(s, generator=gen) * 0.1).half().float() for s in SHAPES]
+    for v in values:  # zeros of each sign (a maximised zero gradient is -0: it decides the sign of a zero)
+        v.view(-1)[::10] = -0.0
     sides = []
     for dtype, masters in ((torch.float32, False), (torch.float16, True)):
         params = [torch.nn.Parameter(v.to(dtype)) for v in values]
@@ -130,6 +136,8 @@ def test_the_scalers_step_on_masters_is_torchs_step_on_fp32_weights_bitwise(monk
         gen = torch.Generator().manual_seed(1)
         for step in range(5):
             grads = [(torch.randn(s, generator=gen) * 2.0**-3).half().float() for s in SHAPES]
+            for g in grads:
+                g.view(-1)[::5] = 0.0
             if step == 2:
                 grads[4].view(-1)[3] = float("inf")
             for side in (fp32, masters):

@@ -217,11 +217,11 @@ static void sgd_part(const hf_work *w, const hf_slot *s, int64_t begin, int64_t 
     const int has_momentum = a->momentum != 0, has_factor = s->factor != 0;
     int64_t d = begin, vend = end < body ? end : body;
     const __m256 vlr = _mm256_set1_ps(lr), vmom = _mm256_set1_ps(mom), vkeep = _mm256_set1_ps(keep);
-    const __m256 vwd = _mm256_set1_ps(wd), vfactor = _mm256_set1_ps(factor), zero = _mm256_setzero_ps();
+    const __m256 vwd = _mm256_set1_ps(wd), vfactor = _mm256_set1_ps(factor), sign = _mm256_set1_ps(-0.0f);
     for (; d + 8 <= vend; d += 8) {
         __m256 g = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s->grad + d)));
         if (has_factor) g = _mm256_mul_ps(g, vfactor);
-        if (a->maximize) g = _mm256_sub_ps(zero, g);
+        if (a->maximize) g = _mm256_xor_ps(g, sign); /* -grad: a zero becomes -0, as torch negates */
         __m256 p = _mm256_loadu_ps(s->master + d);
         if (a->weight_decay != 0) g = _mm256_fmadd_ps(p, vwd, g);
         if (has_momentum) {

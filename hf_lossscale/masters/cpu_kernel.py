@@ -120,7 +120,7 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(args), ctypes.c_int64, ctypes.c_void_p]
     mismatch = _probe(lib) or _probe_sgd(lib)
     if mismatch is not None:
-        return None, f"it differs from torch's fused kernel on this machine ({mismatch})"
+        return None, f"it differs from torch's kernels on this machine ({mismatch})"
     return lib, None
 
 
@@ -265,22 +265,22 @@ def _probe(lib: ctypes.CDLL) -> str | None:
     ]
     for k, case in enumerate(cases):
         lengths = [1, 7, 8, 15, 16, 17, 31, 64 + 13, 1 << 16, (1 << 16) + 9]
-        halves = [(torch.randn(n, generator=gen) * 0.1).half() for n in lengths]
-        masters = [
-            h.float() + torch.randn(n, generator=gen) * 1e-4 for h, n in zip(halves, lengths, strict=True)
-        ]
+        halves = [(_randn(n, gen) * 0.1).half() for n in lengths]
+        masters = [h.float() + _randn(n, gen) * 1e-4 for h, n in zip(halves, lengths, strict=True)]
         ours = [
-            {"step": torch.zeros((), dtype=torch.float32), "exp_avg": torch.zeros(n), "exp_avg_sq": torch.zeros(n),
-             "max_exp_avg_sq": torch.zeros(n)}
+            {"step": torch.zeros((), dtype=torch.float32), "exp_avg": torch.zeros(n, dtype=torch.float32), "exp_avg_sq": torch.zeros(n, dtype=torch.float32),
+             "max_exp_avg_sq": torch.zeros(n, dtype=torch.float32)}
             for n in lengths
         ]  # fmt: skip
         ref = [{key: t.clone() for key, t in st.items()} for st in ours]
         ref_masters = [m.clone() for m in masters]
-        factors = [None if i % 2 else torch.tensor(0.5 ** (i % 5)) for i in range(len(lengths))]
-        scale = torch.tensor(2.0 ** (k + 1))
+        factors = [
+            None if i % 2 else torch.tensor(0.5 ** (i % 5), dtype=torch.float32) for i in range(len(lengths))
+        ]
+        scale = torch.tensor(2.0 ** (k + 1), dtype=torch.float32)
         for step in range(4):
-            grads = [(torch.randn(n, generator=gen) * 2.0 ** (k - 6)).half() for n in lengths]
-            found = torch.tensor(1.0 if step == 2 else 0.0)
+            grads = [_zeros_in((_randn(n, gen) * 2.0 ** (k - 6)).half()) for n in lengths]
+            found = torch.tensor(1.0 if step == 2 else 0.0, dtype=torch.float32)
             options = dict(
                 lr=1e-3, beta1=case["beta1"], beta2=0.999, eps=1e-8, weight_decay=case["weight_decay"],
                 amsgrad=case["amsgrad"], maximize=case["maximize"],
@@ -324,20 +324,29 @@ def _probe_sgd(lib: ctypes.CDLL) -> str | None:
         dict(momentum=0.9, dampening=0.0, nesterov=True, weight_decay=0.01, maximize=False),
         dict(momentum=0.5, dampening=0.1, nesterov=False, weight_decay=0.1, maximize=True),
         dict(momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.01, maximize=False),
+        dict(momentum=0.0, dampening=0.0, nesterov=False, weight_decay=0.0, maximize=True),
+        dict(momentum=0.9, dampening=0.0, nesterov=True, weight_decay=0.0, maximize=True),
     ]
     lengths = [1, 7, 8, 15, 16, 17, 31, 32, 33, 63, 64 + 13, (1 << 16) + 9]
     for k, case in enumerate(cases):
         for foreach in (False, True):
-            halves = [(torch.randn(n, generator=gen) * 0.1).half() for n in lengths]
+            halves = [(_randn(n, gen) * 0.1).half() for n in lengths]
             masters = [
-                h.float() + torch.randn(n, generator=gen) * 1e-4 for h, n in zip(halves, lengths, strict=True)
+                _zeros_in(h.float() + _randn(n, gen) * 1e-4, flip=True)
+                for h, n in zip(halves, lengths, strict=True)
             ]
-            buffers = [torch.randn(n, generator=gen) * 1e-3 if case["momentum"] else None for n in lengths]
+            halves = [m.half() for m in masters]
+            buffers = [
+                _zeros_in(_randn(n, gen) * 1e-3, flip=True) if case["momentum"] else None for n in lengths
+            ]
             ref_masters = [m.clone() for m in masters]
             ref_buffers = [b if b is None else b.clone() for b in buffers]
-            factors = [None if i % 2 else torch.tensor(0.5 ** (i % 5)) for i in range(len(lengths))]
+            factors = [
+                None if i % 2 else torch.tensor(0.5 ** (i % 5), dtype=torch.float32)
+                for i in range(len(lengths))
+            ]
             for step in range(3):
-                grads = [(torch.randn(n, generator=gen) * 2.0 ** (k - 6)).half() for n in lengths]
+                grads = [_zeros_in((_randn(n, gen) * 2.0 ** (k - 6)).half()) for n in lengths]
                 states = [{"momentum_buffer": b} for b in buffers]
                 _call(
                     lib,
@@ -366,3 +375,17 @@ def _probe_sgd(lib: ctypes.CDLL) -> str | None:
 
 def _raw(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16 if t.dtype == torch.float16 else torch.int32)
+
+
+def _randn(n: int, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(n, generator=gen, dtype=torch.float32)  # (whatever the default dtype)
+
+
+def _zeros_in(t: torch.Tensor, flip: bool = False) -> torch.Tensor:
+    """Exact zeros of each sign at every fifth element (-0 at the even ones with `flip`, so that a
+    gradient's zero meets a weight's or a buffer's of either sign): the signs of the zeros the
+    arithmetic makes must be torch's too."""
+    t[::5] = 0.0
+    t[::10] = -0.0 if flip else 0.0
+    t[5::10] = 0.0 if flip else -0.0
+    return t
