@@ -258,3 +258,13 @@ def test_what_the_kernel_writes_is_told_to_autograd(monkeypatch, kind):
     assert calls == ([1] if kind.startswith("sgd") else [1, 1])
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         saved.backward()
+
+
+def test_the_variable_is_not_taken_for_a_scaler_setting(monkeypatch):
+    """`HF_LOSSSCALE_CPU_KERNEL=0` beside the config loader (Accelerate's hook and the Trainer read
+    `HF_LOSSSCALE_*`): not an unknown setting. Bug caught (helper-12): the switch made
+    `install_loss_scaler` and `LossScaleTrainingArguments` raise."""
+    from hf_lossscale.core.config import config_from_env
+
+    monkeypatch.setenv(cpu_kernel.ENV, "0")
+    assert config_from_env() == {}
