@@ -66,12 +66,8 @@ ENV_PREFIX = "HF_LOSSSCALE_"
 ENV_CONFIG_FILE = "HF_LOSSSCALE_CONFIG"
 #: Variables in our namespace that are not scaler settings: where the tests and benchmarks find the
 #: benchmark data, and whether its absence fails them (CI) or skips them; the masters' CPU kernel switch.
-ENV_NOT_CONFIG = (
-    "HF_LOSSSCALE_DATA",
-    "HF_LOSSSCALE_REQUIRE_DATA",
-    "HF_LOSSSCALE_CHECK_LOCK",
-    "HF_LOSSSCALE_CPU_KERNEL",
-)
+ENV_NOT_CONFIG = ("HF_LOSSSCALE_DATA", "HF_LOSSSCALE_REQUIRE_DATA", "HF_LOSSSCALE_CHECK_LOCK",
+                  "HF_LOSSSCALE_CPU_KERNEL")  # fmt: skip
 
 
 def _is_bool(value: Any) -> bool:
