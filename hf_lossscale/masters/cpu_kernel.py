@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["ENV", "reason", "run", "step"]
+__all__ = ["ENV", "fp32_like", "mark_written", "reason", "run", "step"]
 
 #: The variable that turns the kernel off ("0").
 ENV = "HF_LOSSSCALE_CPU_KERNEL"
@@ -176,7 +176,9 @@ def _call(lib: ctypes.CDLL, kind: str, rows: list, **o) -> None:
         raise RuntimeError(f"masters.cpu_kernel: the kernel refused its arguments (status {status})")
 
 
-def _fp32_like(t: torch.Tensor | None, master: torch.Tensor) -> bool:
+def fp32_like(t: torch.Tensor | None, master: torch.Tensor) -> bool:
+    """Whether a state tensor is what a one-pass kernel reads beside `master`: contiguous FP32 of its
+    shape on its device."""
     return (
         t is not None and t.dtype == torch.float32 and t.shape == master.shape and t.is_contiguous()
         and t.device == master.device
@@ -202,7 +204,7 @@ def step(
         if grad_scale is not None or found_inf is not None:
             return False
         if group["momentum"] != 0 and not all(
-            _fp32_like(st.get("momentum_buffer"), s.master) for s, st in zip(slots, states, strict=True)
+            fp32_like(st.get("momentum_buffer"), s.master) for s, st in zip(slots, states, strict=True)
         ):
             return False
         rows = [(s.grad, s.factor, s.master, st, s.weight) for s, st in zip(slots, states, strict=True)]
@@ -210,10 +212,10 @@ def step(
             run("sgd", rows, lr=float(group["lr"]), momentum=float(group["momentum"]),
                 dampening=float(group["dampening"]), weight_decay=float(group["weight_decay"]),
                 nesterov=bool(group["nesterov"]), maximize=bool(group["maximize"]))  # fmt: skip
-        _written(slots, states, ("momentum_buffer",) if group["momentum"] != 0 else ())
+        mark_written(slots, states, ("momentum_buffer",) if group["momentum"] != 0 else ())
         return True
     moments = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
-    if not all(_fp32_like(st.get(k), s.master) for s, st in zip(slots, states, strict=True) for k in moments):
+    if not all(fp32_like(st.get(k), s.master) for s, st in zip(slots, states, strict=True) for k in moments):
         return False
     steps = [st["step"] for st in states]
     scalars = [*steps, *(t for t in (grad_scale, found_inf) if t is not None)]
@@ -232,11 +234,11 @@ def step(
         )  # fmt: skip
         if found_inf is not None:
             torch._foreach_sub_(steps, [found_inf] * len(steps))
-    _written(slots, states, moments)
+    mark_written(slots, states, moments)
     return True
 
 
-def _written(slots: list, states: list[dict], keys: tuple[str, ...]) -> None:
+def mark_written(slots: list, states: list[dict], keys: tuple[str, ...]) -> None:
     """The tensors the kernel wrote through their addresses, told to autograd as torch's in-place ops
     tell it (their version counters move: a graph that saved one refuses to run backward on it, as
     after torch's own step; torch's fused kernel moves them on a step it skips too)."""

@@ -286,16 +286,12 @@ def run_one_pass(
     steps = [st["step"] for st in states]
     on_device = [_counter_on_device(step, slot.master) for slot, step in zip(slots, steps, strict=True)]
     moments = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq") if group["amsgrad"] else ("exp_avg", "exp_avg_sq")
-    for slot, st in zip(slots, states, strict=True):
-        for name in moments:
-            m = st[name]
-            if (
-                m.dtype != torch.float32
-                or m.shape != slot.master.shape
-                or not m.is_contiguous()
-                or m.device != slot.master.device
-            ):
-                return False
+    if not all(
+        cpu_kernel.fp32_like(st[name], s.master)
+        for s, st in zip(slots, states, strict=True)
+        for name in moments
+    ):
+        return False
     if found_inf is not None and not all(on_device):
         return False  # a counter on the host cannot take a device flag back without a sync: torch's path
     if CHUNK % BLOCK:
@@ -338,12 +334,5 @@ def run_one_pass(
                 )  # fmt: skip
         if found_inf is not None:
             torch._foreach_sub_(steps, [found_inf.to(device)] * len(steps))
-    # written through their addresses: their version counters move, as torch's in-place ops move them
-    torch.autograd.graph.increment_version(
-        [
-            t
-            for s, st in zip(slots, states, strict=True)
-            for t in (s.master, s.weight, st["exp_avg"], st["exp_avg_sq"])
-        ]
-    )
+    cpu_kernel.mark_written(slots, states, ("exp_avg", "exp_avg_sq"))  # (written through their addresses)
     return True
