@@ -441,7 +441,7 @@ class OptimizerMasters:
                 # declined before touching anything: a CUDA graph capture, a host counter with a device
                 # flag, SGD's first step, ...)
                 if isinstance(optimizer, torch.optim.SGD):
-                    state_of = optimizer.state.__getitem__
+                    state_of = functools.partial(_sgd_state, optimizer)
                 else:
                     state_of = functools.partial(adam_state, optimizer, group)
                 if one_pass is None or not run_one_pass(
@@ -554,3 +554,9 @@ class OptimizerMasters:
     def half_of(self, param: torch.Tensor) -> torch.Tensor | None:
         pair = self.by_master.get(id(param))
         return pair.half if pair is not None and pair.master is param else None
+
+
+def _sgd_state(optimizer: torch.optim.Optimizer, key: torch.Tensor) -> dict:
+    """SGD's state for `key` as the kernel reads it, making no entry where there is none (torch's SGD
+    without momentum keeps no state)."""
+    return optimizer.state[key] if key in optimizer.state else {}
