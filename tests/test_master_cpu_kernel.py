@@ -268,3 +268,32 @@ def test_the_variable_is_not_taken_for_a_scaler_setting(monkeypatch):
 
     monkeypatch.setenv(cpu_kernel.ENV, "0")
     assert config_from_env() == {}
+
+
+@needs_kernel
+def test_a_step_under_another_default_device_reads_cpu_addresses(tmp_path):
+    """`scaler.step` inside `with torch.device("meta")` (the probe and the per-step table made there):
+    the kernel still gets CPU addresses. In a child process, since the bug is a segfault. Bug caught
+    (helper-12): the table and the probe's tensors made on the default device (exit code 139)."""
+    script = tmp_path / "step.py"
+    script.write_text(
+        "import torch\n"
+        "from hf_lossscale import DynamicLossScaler, LossScaleConfig\n"
+        "from hf_lossscale.masters import cpu_kernel\n"
+        "calls = []\n"
+        "real = cpu_kernel.run\n"
+        "cpu_kernel.run = lambda *a, **k: (calls.append(1), real(*a, **k))[1]\n"
+        "lin = torch.nn.Linear(64, 64).half()\n"
+        "opt = torch.optim.AdamW(lin.parameters(), lr=1e-3, fused=True)\n"
+        "scaler = DynamicLossScaler(config=LossScaleConfig(init_scale=256.0))\n"
+        "for _ in range(2):\n"
+        "    scaler.scale(lin(torch.randn(4, 64).half()).float().pow(2).mean()).backward()\n"
+        "    with torch.device('meta'):\n"
+        "        scaler.step(opt)\n"
+        "    scaler.update()\n"
+        "    opt.zero_grad()\n"
+        "assert cpu_kernel.reason() is None and calls == [1, 1], (cpu_kernel.reason(), calls)\n"
+    )
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]

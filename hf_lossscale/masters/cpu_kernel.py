@@ -118,7 +118,8 @@ def _library() -> tuple[ctypes.CDLL | None, str | None]:
         fn = getattr(lib, name)
         fn.restype = ctypes.c_int
         fn.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.POINTER(args), ctypes.c_int64, ctypes.c_void_p]
-    mismatch = _probe(lib) or _probe_sgd(lib)
+    with torch.device("cpu"):  # (the probe's tensors on the CPU, whatever the default device)
+        mismatch = _probe(lib) or _probe_sgd(lib)
     if mismatch is not None:
         return None, f"it differs from torch's kernels on this machine ({mismatch})"
     return lib, None
@@ -155,8 +156,9 @@ def _call(lib: ctypes.CDLL, kind: str, rows: list, **o) -> None:
         [(g.data_ptr(), address(f), m.data_ptr(), *(address(st.get(k)) if k else 0 for k in keys[:3]),
           w.data_ptr(), address(st.get(keys[3])) if keys[3] else 0, m.numel()) for g, f, m, st, w in rows],
         dtype=torch.int64,
+        device="cpu",  # (the C code reads it: on the CPU whatever the default device)
     )  # fmt: skip
-    first = torch.empty(len(rows) + 1, dtype=torch.int64)
+    first = torch.empty(len(rows) + 1, dtype=torch.int64, device="cpu")
     tail = _TAIL[torch.backends.cpu.get_cpu_capability()]
     if adam:
         args = _Args(
